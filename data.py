@@ -1,0 +1,740 @@
+"""Prompt data for DAPO: hub datasets, local files, a synthetic arithmetic task, prompt templates.
+
+Everything the trainer reads is a *record*, a plain dict:
+
+    {"prompt": "What is 12 + 7?",   # the problem text, without any instruction
+     "answer": "19",                # the ground truth, as a string
+     "id": "arith:12+7",            # a stable name for the problem
+     ...}                           # optional extras, see below
+
+Optional extras: "hint" (the first step of a worked solution, when the source has one),
+"messages" (chat messages to use as they are, when the source already holds them, e.g. the
+DAPO-Math-17k user message that already contains the DAPO instruction), "row" (where the record
+came from in its file, for error messages), and for synthetic problems "operands" and "ops".
+
+Where records come from (`load_records(name_or_path)`):
+
+    gsm8k            openai/gsm8k, config "main"      answer = text after "#### ", commas removed
+    math500          HuggingFaceH4/MATH-500           (its only split, "test")
+    aime24           Maxwell-Jia/AIME_2024            (its only split, "train")
+    dapo-math-17k    BytedTsinghua-SIA/DAPO-Math-17k  verl layout, exact duplicates dropped
+    arithmetic[:k=v,...]   the synthetic task below (split "test" = its fixed held-out problems)
+    a local file     .jsonl (one object a line), .json (a list of objects, or JSON lines), .parquet
+
+The hub names need a network; local files with the hub's field names work offline. The layout of
+a file is read from the fields of its first row (field names are matched case-insensitively):
+
+    question + answer containing "#### <final>"   GSM8K (hint = first line of the reasoning)
+    problem + answer [+ solution]                  MATH-500 / AIME (hint = first sentence)
+    prompt (list of {role, content}) + reward_model.ground_truth [+ extra_info.index]
+                                                   verl / DAPO-Math-17k
+    prompt (or question) + answer [+ hint, id]     anything else
+
+Answers may be strings or integers (AIME on the hub stores integers); both become strings.
+
+Every row is checked before training starts (`validate_records`): a missing or wrong-typed field,
+an empty prompt or answer, malformed JSON, an empty file, or a prompt longer than the context
+raises `DataError` naming the file, the row (the 1-based line number for .jsonl, the 1-based
+position otherwise) and the field.
+
+The synthetic arithmetic task (the default, it runs offline) is spelled `arithmetic` or
+`arithmetic:key=value,key=value` with keys
+
+    min=1, max=30   operand range (inclusive)      digits=2   same as min=10,max=99 (digits=1: 1..9)
+    terms=2         number of operands             ops=+      operations drawn from, e.g. ops=+-*
+    level=0         curriculum level: each level doubles the largest operand
+
+so `arithmetic` is "What is a + b?" for a, b in 1..30 (SmolLM2-135M-Instruct gets ~25% right
+greedily) and `arithmetic:digits=2,terms=3,ops=+-` is harder. A fixed quarter of all problems is
+held out (chosen by a hash of the problem, so the same for every seed and every difficulty);
+training never samples them.
+
+Prompt templates (`format_prompt(record, tokenizer, template)`): "dapo" (the DAPO paper's
+instruction), "boxed" (step by step, answer in \\boxed{}), "none" (the bare problem), all through
+the tokenizer's chat template; "plain-question" is the plain text "Question: ...\\nAnswer:", which
+is also what any template becomes for a tokenizer without a chat template (a base model).
+
+`PromptStream` yields each rank its slice of every global batch, forever, and saves its position
+as a few integers for checkpoints.
+
+Tests: python -m pytest tests/test_data.py -q
+"""
+
+import copy
+import hashlib
+import itertools
+import json
+import os
+import random
+import re
+
+DAPO_INSTRUCTION = (
+    "Solve the following math problem step by step. The last line of your response should be of "
+    "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
+DAPO_REMINDER = '\n\nRemember to put your answer on its own line after "Answer:".'
+BOXED_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+TEMPLATES = ("dapo", "boxed", "plain-question", "none")
+
+# name -> (hub id, config, split or None when the split argument picks it)
+HUB_DATASETS = {
+    "gsm8k": ("openai/gsm8k", "main", None),
+    "math500": ("HuggingFaceH4/MATH-500", None, "test"),
+    "aime24": ("Maxwell-Jia/AIME_2024", None, "train"),
+    "dapo-math-17k": ("BytedTsinghua-SIA/DAPO-Math-17k", None, "train"),
+}
+FILE_EXTENSIONS = (".jsonl", ".json", ".parquet")
+
+# Neutral sentences for harder text variants: no numbers, nothing a solver could use.
+DISTRACTORS = (
+    "Interesting fact: cats sleep for most of their lives.",
+    "The weather that day was pleasant and mild.",
+    "A small bird was singing outside the window.",
+    "Many people enjoy a cup of tea in the afternoon.",
+    "The old bridge in town was painted green last spring.",
+    "Someone in the next room was humming a familiar tune.",
+)
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file (or source), the row and the field."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_records(name_or_path, *, split="train", limit=None, tokenizer=None,
+                 max_prompt_tokens=None, template="dapo"):
+    """Records from a known name, an `arithmetic:...` spec or a local file, checked row by row.
+
+    `limit` keeps the first `limit` records. With a tokenizer and `max_prompt_tokens`, every prompt
+    is also formatted with `template` and checked against that length.
+    """
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise DataError(f"limit must be a positive integer, got {limit!r}")
+    name = str(name_or_path)
+    if os.path.isfile(name):
+        source, records = name, _records_from_rows(_read_file(name), name, limit)
+    elif name in HUB_DATASETS:
+        source, records = _load_hub(name, split, limit)
+    elif name.split(":", 1)[0] == "arithmetic":
+        task = ArithmeticTask.from_spec(name)
+        source = task.spec()
+        if split in ("test", "heldout"):
+            records = task.heldout(limit or 200)
+        elif split != "train":
+            raise DataError(f"{name}: split must be 'train' or 'test' (the held-out problems)")
+        elif limit is None:
+            raise DataError(f"{name}: the training split of a synthetic task never ends: pass a "
+                            "limit, or give the ArithmeticTask itself to PromptStream")
+        else:
+            records = task.sample(limit, random.Random(0))
+    elif os.path.exists(name):
+        raise DataError(f"{name}: not a file (expected one of {', '.join(FILE_EXTENSIONS)})")
+    else:
+        raise DataError(
+            f"unknown data {name!r}: not an existing file, and not a known name: "
+            f"{', '.join(HUB_DATASETS)}, arithmetic (or arithmetic:key=value,...; keys: "
+            f"{', '.join(ArithmeticTask.SPEC_KEYS)}); local files: {', '.join(FILE_EXTENSIONS)}")
+    validate_records(records, source, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens,
+                     template=template)
+    return records
+
+
+def _load_hub(name, split, limit):
+    hub_id, config, fixed_split = HUB_DATASETS[name]
+    split = fixed_split or split
+    try:
+        import datasets  # only here: the offline paths never need it
+        rows = datasets.load_dataset(hub_id, config, split=split)
+    except Exception as error:  # no network, no such split, ...: say what was tried
+        raise DataError(f"could not load {hub_id} (split {split!r}) from the hub: {error}; "
+                        "a local .jsonl/.json/.parquet copy works offline") from error
+    source = f"{hub_id}:{split}"
+    return source, _records_from_rows(enumerate(rows, start=1), source, limit)
+
+
+def _read_file(path):
+    """Yields (row number, row dict). Row number: the line for .jsonl, the position otherwise."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".jsonl":
+        yield from _read_json_lines(path)
+    elif ext == ".json":
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as error:
+            if error.msg == "Extra data":  # `Dataset.to_json` writes JSON lines under .json
+                yield from _read_json_lines(path)
+                return
+            raise DataError(f"{path}: line {error.lineno}: malformed JSON: {error.msg}") from None
+        if not isinstance(rows, list):
+            raise DataError(f"{path}: expected a list of objects, got a {type(rows).__name__}")
+        for number, row in enumerate(rows, start=1):
+            if not isinstance(row, dict):
+                raise DataError(f"{path}: row {number}: expected an object, got {type(row).__name__}")
+            yield number, row
+    elif ext == ".parquet":
+        import pyarrow.parquet as pq  # comes with `datasets`
+        try:
+            parquet = pq.ParquetFile(path)
+        except Exception as error:
+            raise DataError(f"{path}: not a readable parquet file: {error}") from error
+        number = 0
+        for batch in parquet.iter_batches(batch_size=4096):  # streamed: stops early with `limit`
+            for row in batch.to_pylist():
+                number += 1
+                yield number, row
+    else:
+        raise DataError(f"{path}: unknown file type {ext!r} (expected {', '.join(FILE_EXTENSIONS)})")
+
+
+def _read_json_lines(path):
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path}: row {number} (line {number}): malformed JSON: "
+                                f"{error.msg} at column {error.colno}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}: row {number} (line {number}): expected a JSON object, "
+                                f"got {type(row).__name__}")
+            yield number, row
+
+
+def _records_from_rows(numbered_rows, source, limit):
+    """Reads the layout off the first row, then turns every row into a record (or fails)."""
+    records, layout, seen = [], None, set()
+    for number, row in numbered_rows:
+        row = {str(key).lower(): value for key, value in row.items()}
+        if layout is None:
+            layout = _detect_layout(row, source, number)
+        record = _record_from_row(row, layout, source, number)
+        if layout == "verl":
+            # The hub file repeats each of its ~17k prompts about 100 times; keep one of each.
+            key = (record["prompt"], record["answer"])
+            if key in seen:
+                continue
+            seen.add(key)
+        records.append(record)
+        if limit is not None and len(records) >= limit:
+            break
+    if not records:
+        raise DataError(f"{source}: empty: no rows")
+    return records
+
+
+def _detect_layout(row, source, number):
+    if isinstance(row.get("prompt"), list):
+        return "verl"
+    if "problem" in row:
+        return "math"
+    if "question" in row and "####" in str(row.get("answer", "")):
+        return "gsm8k"
+    if "question" in row or "prompt" in row:
+        return "plain"
+    raise DataError(f"{source}: row {number}: field 'prompt': missing (no 'prompt', 'problem' or "
+                    f"'question' field; the row has {sorted(row)})")
+
+
+def _field(row, name, source, number, types=(str,), label=None):
+    """row[name] as a non-empty string (integers allowed when `types` has int), or DataError."""
+    name_in_message = label or name
+    if name not in row or row[name] is None:
+        raise DataError(f"{source}: row {number}: field '{name_in_message}': missing")
+    value = row[name]
+    # bool is an int in Python, never a valid answer or text
+    if isinstance(value, bool) or not isinstance(value, types):
+        wanted = " or ".join(t.__name__ for t in types)
+        raise DataError(f"{source}: row {number}: field '{name_in_message}': expected {wanted}, "
+                        f"got {type(value).__name__}")
+    if isinstance(value, int):
+        value = str(value)
+    if not value.strip():
+        raise DataError(f"{source}: row {number}: field '{name_in_message}': empty")
+    return value
+
+
+def _record_from_row(row, layout, source, number):
+    record = {"row": number}
+    if layout == "gsm8k":
+        record["prompt"] = _field(row, "question", source, number)
+        full = _field(row, "answer", source, number)
+        if "####" not in full:
+            raise DataError(f"{source}: row {number}: field 'answer': no '#### <final answer>'")
+        reasoning, final = full.rsplit("####", 1)
+        record["answer"] = final.strip().replace(",", "")
+        if not record["answer"]:
+            raise DataError(f"{source}: row {number}: field 'answer': empty after '####'")
+        hint = _first_step(re.sub(r"<<[^>]*>>", "", reasoning))  # drop calculator annotations
+    elif layout == "math":
+        record["prompt"] = _field(row, "problem", source, number)
+        record["answer"] = _field(row, "answer", source, number, (str, int)).strip()
+        solution = row.get("solution")
+        hint = _first_step(solution) if isinstance(solution, str) else None
+    elif layout == "verl":
+        messages = _messages(row.get("prompt"), source, number, "prompt")
+        reward_model = row.get("reward_model")
+        if not isinstance(reward_model, dict):
+            field_state = "missing" if reward_model is None else \
+                f"expected a dict, got {type(reward_model).__name__}"
+            raise DataError(f"{source}: row {number}: field 'reward_model': {field_state}")
+        record["answer"] = _field(reward_model, "ground_truth", source, number, (str, int),
+                                  label="reward_model.ground_truth").strip()
+        record["messages"] = messages
+        user = [m["content"] for m in messages if m["role"] == "user"][-1]
+        record["prompt"] = _strip_dapo_instruction(user)
+        extra = row.get("extra_info")
+        if isinstance(extra, dict) and extra.get("index") is not None:
+            record["id"] = str(extra["index"])
+        hint = None
+    else:
+        text_field = "prompt" if "prompt" in row else "question"
+        record["prompt"] = _field(row, text_field, source, number)
+        record["answer"] = _field(row, "answer", source, number, (str, int)).strip()
+        hint = _field(row, "hint", source, number) if row.get("hint") is not None else None
+    for id_field in ("id", "unique_id"):
+        if "id" not in record and row.get(id_field) is not None:
+            record["id"] = str(row[id_field])
+    record.setdefault("id", f"{os.path.basename(source)}:{number}")  # e.g. "test.jsonl:12"
+    if hint:
+        record["hint"] = hint
+    return record
+
+
+def _messages(messages, source, number, field):
+    """A checked copy of a chat message list: [{"role": str, "content": str}, ...] with a user turn."""
+    where = f"{source}: row {number}: field '{field}'"
+    if messages is None:
+        raise DataError(f"{where}: missing")
+    if not isinstance(messages, list):
+        raise DataError(f"{where}: expected a list of messages, got {type(messages).__name__}")
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise DataError(f"{where}: each message must be {{'role': str, 'content': str}}")
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if not any(m["role"] == "user" and m["content"].strip() for m in messages):
+        raise DataError(f"{where}: no non-empty user message")
+    return messages
+
+
+def _strip_dapo_instruction(text):
+    """The bare problem inside a DAPO-Math-17k user message (the message as is when it differs)."""
+    if text.startswith(DAPO_INSTRUCTION) and text.endswith(DAPO_REMINDER):
+        return text[len(DAPO_INSTRUCTION):-len(DAPO_REMINDER)]
+    return text
+
+
+def _first_step(solution):
+    """The first line / sentence of a worked solution, or None if it would be the whole of it."""
+    lines = [line.strip() for line in solution.strip().splitlines() if line.strip()]
+    if not lines:
+        return None
+    first = lines[0]
+    # a sentence ends at . ! or ? (possibly closing inline math, "3.$") before a capital letter
+    end = re.search(r"[.!?]\$?(?=\s+[A-Z])", first)
+    if end:
+        first = first[:end.end()]
+    if (len(lines) == 1 and not end) or "box" in first:  # \boxed, \fbox, \framebox
+        return None  # a one-step solution (or one that states the final answer) is no hint
+    return first
+
+
+def validate_records(records, source, tokenizer=None, max_prompt_tokens=None, template="dapo"):
+    """Checks every record (types, empty fields, prompt length); raises DataError at the first bad one.
+
+    `source` names the file or dataset in messages. Rows are named by record["row"] when present
+    (where it was in its file), else by 1-based position.
+    """
+    if not records:
+        raise DataError(f"{source}: empty: no rows")
+    for position, record in enumerate(records, start=1):
+        number = record.get("row", position) if isinstance(record, dict) else position
+        if not isinstance(record, dict):
+            raise DataError(f"{source}: row {number}: expected a dict record, "
+                            f"got {type(record).__name__}")
+        for name in ("prompt", "answer", "id"):
+            _field(record, name, source, number)
+        if "hint" in record:
+            _field(record, "hint", source, number)
+        if "messages" in record:
+            _messages(record["messages"], source, number, "messages")
+    if tokenizer is not None and max_prompt_tokens is not None:
+        for position, record in enumerate(records, start=1):
+            length = len(format_prompt(record, tokenizer, template))
+            if length > max_prompt_tokens:
+                raise DataError(f"{source}: row {record.get('row', position)}: field 'prompt': "
+                                f"{length} tokens with the {template!r} template, longer than the "
+                                f"limit of {max_prompt_tokens}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The synthetic arithmetic task
+
+HELDOUT_EVERY = 4  # a problem is held out when hash(problem) % 4 == 0: a quarter of every space
+ENUMERATE_LIMIT = 200_000  # spaces up to this size are listed in full for `heldout`
+
+
+def _evaluate(operands, ops):
+    """The value of `a op b op c ...` with * before + and -, computed without eval."""
+    values, pending = [operands[0]], []
+    for op, value in zip(ops, operands[1:]):
+        if op == "*":
+            values[-1] *= value
+        else:
+            pending.append(op)
+            values.append(value)
+    total = values[0]
+    for op, value in zip(pending, values[1:]):
+        total = total + value if op == "+" else total - value
+    return total
+
+
+def _expression(operands, ops, spaced=True):
+    joiner = " {} " if spaced else "{}"
+    parts = [str(operands[0])]
+    for op, value in zip(ops, operands[1:]):
+        parts.append(joiner.format(op) + str(value))
+    return "".join(parts)
+
+
+def _heldout_key(operands, ops):
+    # 12+7 and 7+12 are one problem to a learner: sort the operands when the order cannot
+    # matter, so both land on the same side of the split.
+    if len(set(ops)) == 1 and ops[0] in "+*":
+        operands = sorted(operands)
+    return _expression(operands, ops, spaced=False)
+
+
+def _stable_hash(text):
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+def is_heldout(operands, ops):
+    """Whether the problem `operands[0] ops[0] operands[1] ...` belongs to the fixed held-out split."""
+    return _stable_hash(_heldout_key(operands, ops)) % HELDOUT_EVERY == 0
+
+
+def _arithmetic_hint(operands, ops):
+    """A first partial step that does not give the answer away, or None."""
+    if len(operands) > 2:  # do the first operation (a product first), leave the rest
+        i = ops.index("*") if "*" in ops else 0
+        done = _evaluate(operands[i:i + 2], ops[i:i + 1])
+        rest = _expression(operands[:i] + [done] + operands[i + 2:], ops[:i] + ops[i + 1:])
+        return f"{_expression(operands, ops)} = {rest}"
+    (a, b), op = operands, ops[0]
+    for i, value in enumerate((a, b)):
+        if value < 10 or value % 10 == 0:
+            continue
+        tens, ones = value - value % 10, value % 10
+        if op == "*":  # distribute over tens and ones
+            other = b if i == 0 else a
+            split = f"{tens} * {other} + {ones} * {other}" if i == 0 else \
+                f"{other} * {tens} + {other} * {ones}"
+        elif i == 0:
+            split = f"{tens} + {ones} {op} {b}"
+        else:  # a - 12 = a - 10 - 2, a + 12 = a + 10 + 2
+            split = f"{a} {op} {tens} {op} {ones}"
+        return f"{a} {op} {b} = {split}"
+    return None  # two one-digit numbers: nothing smaller to break them into
+
+
+def arithmetic_record(operands, ops):
+    """The record for `operands[0] ops[0] operands[1] ...`, e.g. ([12, 7], ["+"]) -> 'What is 12 + 7?'."""
+    record = {"prompt": f"What is {_expression(operands, ops)}?",
+              "answer": str(_evaluate(operands, ops)),
+              "id": "arith:" + _expression(operands, ops, spaced=False),
+              "operands": list(operands), "ops": list(ops)}
+    hint = _arithmetic_hint(list(operands), list(ops))
+    if hint:
+        record["hint"] = hint
+    return record
+
+
+class ArithmeticTask:
+    """Seeded "What is a + b?" problems with difficulty knobs and a fixed held-out split.
+
+    Knobs: operands in [min_value, max_value * 2**level], `terms` operands, operations drawn from
+    `ops` (any of "+-*"). `harder()` raises the level in place (a curriculum: call it when the
+    model masters the current level). Training samples (`sample`) never include a held-out problem
+    (`is_heldout`), at any level.
+    """
+
+    SPEC_KEYS = ("min", "max", "digits", "terms", "ops", "level")
+
+    def __init__(self, min_value=1, max_value=30, terms=2, ops="+", level=0):
+        if not 0 <= min_value <= max_value:
+            raise DataError(f"arithmetic: need 0 <= min <= max, got min={min_value} max={max_value}")
+        if terms < 2:
+            raise DataError(f"arithmetic: terms must be at least 2, got {terms}")
+        if not ops or set(ops) - set("+-*"):
+            raise DataError(f"arithmetic: ops must be made of + - *, got {ops!r}")
+        if level < 0:
+            raise DataError(f"arithmetic: level must be >= 0, got {level}")
+        self.min_value, self.max_value, self.terms, self.level = min_value, max_value, terms, level
+        self.ops = "".join(dict.fromkeys(ops))  # keep order, drop repeats: "++-" -> "+-"
+
+    @classmethod
+    def from_spec(cls, spec):
+        """`arithmetic` or `arithmetic:digits=2,terms=3,ops=+-,level=1` (keys: SPEC_KEYS)."""
+        head, _, options = spec.partition(":")
+        if head != "arithmetic":
+            raise DataError(f"{spec!r}: an arithmetic spec starts with 'arithmetic'")
+        kwargs = {}
+        for item in filter(None, options.split(",")):
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if not eq or key not in cls.SPEC_KEYS:
+                raise DataError(f"{spec!r}: bad option {item!r}; use key=value with keys "
+                                f"{', '.join(cls.SPEC_KEYS)}")
+            if key == "ops":
+                kwargs["ops"] = value.strip()
+                continue
+            try:
+                number = int(value)
+            except ValueError:
+                raise DataError(f"{spec!r}: {key} must be an integer, got {value!r}") from None
+            if key == "digits":
+                if number < 1:
+                    raise DataError(f"{spec!r}: digits must be at least 1")
+                kwargs["min_value"], kwargs["max_value"] = max(1, 10 ** (number - 1)), 10 ** number - 1
+            else:
+                kwargs[{"min": "min_value", "max": "max_value"}.get(key, key)] = number
+        return cls(**kwargs)
+
+    def spec(self):
+        """The spec string that rebuilds this task (for config logs)."""
+        return (f"arithmetic:min={self.min_value},max={self.max_value},terms={self.terms},"
+                f"ops={self.ops},level={self.level}")
+
+    @property
+    def high(self):
+        """The largest operand at the current level."""
+        return self.max_value * 2 ** self.level
+
+    def harder(self):
+        self.level += 1
+        return self
+
+    def at_level(self, level):
+        task = copy.copy(self)
+        task.level = level
+        return task
+
+    def space_size(self):
+        return (self.high - self.min_value + 1) ** self.terms * len(self.ops) ** (self.terms - 1)
+
+    def _draw(self, rng):
+        operands = [rng.randint(self.min_value, self.high) for _ in range(self.terms)]
+        return operands, [rng.choice(self.ops) for _ in range(self.terms - 1)]
+
+    def sample(self, n, rng):
+        """n training problems (repeats possible), never held out; `rng` is a random.Random."""
+        records, rejected_in_a_row = [], 0
+        while len(records) < n:
+            operands, ops = self._draw(rng)
+            if is_heldout(operands, ops):
+                rejected_in_a_row += 1
+                if rejected_in_a_row > 1000:  # only possible in a tiny space
+                    raise DataError(f"{self.spec()}: every problem is held out; widen the range")
+                continue
+            rejected_in_a_row = 0
+            records.append(arithmetic_record(operands, ops))
+        return records
+
+    def heldout(self, n):
+        """The first n distinct held-out problems at the current level: same list every call."""
+        if self.space_size() <= ENUMERATE_LIMIT:
+            values = range(self.min_value, self.high + 1)
+            problems = [(list(o), list(p)) for o in itertools.product(values, repeat=self.terms)
+                        for p in itertools.product(self.ops, repeat=self.terms - 1)]
+            problems = [problem for problem in problems if is_heldout(*problem)]
+            if len(problems) < n:
+                raise DataError(f"{self.spec()}: only {len(problems)} held-out problems exist, "
+                                f"{n} asked; widen the range or add terms")
+            # a fixed, well-mixed order (not smallest operands first)
+            problems.sort(key=lambda problem: _stable_hash(_expression(*problem, spaced=False)))
+            return [arithmetic_record(*problem) for problem in problems[:n]]
+        rng = random.Random("heldout")  # fixed: the held-out list never depends on a run's seed
+        records, seen = [], set()
+        for _ in range(n * HELDOUT_EVERY * 100):
+            operands, ops = self._draw(rng)
+            key = _expression(operands, ops, spaced=False)
+            if key not in seen and is_heldout(operands, ops):
+                seen.add(key)
+                records.append(arithmetic_record(operands, ops))
+                if len(records) == n:
+                    return records
+        raise DataError(f"{self.spec()}: could not find {n} distinct held-out problems")
+
+    def state_dict(self):
+        return {"level": self.level}
+
+    def load_state_dict(self, state):
+        self.level = int(state["level"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Variants for adversarial dynamic sampling
+
+
+def harder_variant(record, rng):
+    """A harder problem with a known answer, or the same problem with a distractor sentence.
+
+    Synthetic records get one more term or one more digit on every operand (never a held-out
+    problem); text records get a neutral sentence from DISTRACTORS, so the answer is unchanged.
+    `rng` is a random.Random.
+    """
+    if "operands" in record:
+        operands, ops = list(record["operands"]), list(record["ops"])
+        for _ in range(100):
+            if rng.random() < 0.5:
+                new_operands = operands + [rng.randint(1, max(9, max(operands)))]
+                new_ops = ops + [rng.choice(ops)]
+            else:
+                new_operands, new_ops = [10 * value + rng.randint(0, 9) for value in operands], ops
+            if not is_heldout(new_operands, new_ops):
+                variant = arithmetic_record(new_operands, new_ops)
+                variant["variant"] = "harder"
+                return variant
+        raise DataError(f"{record['id']}: no harder variant outside the held-out split")
+    index = rng.randrange(len(DISTRACTORS))
+    new_prompt = _insert_sentence(record["prompt"], DISTRACTORS[index])
+    return _with_prompt(record, new_prompt, f"{record['id']}+distractor{index}", "harder",
+                        " " + DISTRACTORS[index])
+
+
+def hint_variant(record):
+    """The problem with the first step of its solution appended, or None when there is no hint."""
+    hint = record.get("hint")
+    if not hint:
+        return None
+    variant = _with_prompt(record, f"{record['prompt']}\nHint: {hint}", f"{record['id']}+hint", "hint",
+                           f"\nHint: {hint}")
+    del variant["hint"]  # a hinted problem is not hinted twice
+    return variant
+
+
+def _insert_sentence(text, sentence):
+    """Insert before the last sentence (the question), or append when no safe boundary exists."""
+    boundaries = [m for m in re.finditer(r"(?<=[.!?])\s+(?=[A-Z])", text)
+                  if text[:m.start()].count("$") % 2 == 0]  # never inside $...$ math
+    if not boundaries:
+        return f"{text.rstrip()} {sentence}"
+    at = boundaries[-1].start()
+    return f"{text[:at]} {sentence}{text[at:]}"
+
+
+def _with_prompt(record, new_prompt, new_id, kind, added_text):
+    """A copy of `record` with a new prompt; chat messages get the change in their user turn."""
+    variant = copy.deepcopy(record)
+    if "messages" in variant:
+        user = [m for m in variant["messages"] if m["role"] == "user"][-1]
+        if record["prompt"] in user["content"]:
+            user["content"] = user["content"].replace(record["prompt"], new_prompt, 1)
+        else:  # the problem is not found verbatim in the message: add the text at its end
+            user["content"] += added_text
+    variant.update(prompt=new_prompt, id=new_id, variant=kind)
+    return variant
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompt templates
+
+
+def format_prompt(record, tokenizer, template="dapo"):
+    """Token ids of the prompt for `record`, ready for generation.
+
+    Chat models: [user message] through the tokenizer's chat template with the assistant turn
+    opened; records with "messages" use those as they are (the template argument is ignored).
+    Tokenizers without a chat template, and template "plain-question":
+    "Question: {user message}\\nAnswer:" as plain text (with the tokenizer's own BOS, if any).
+    """
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown template {template!r}; choose from {', '.join(TEMPLATES)}")
+    if "messages" in record:
+        messages = record["messages"]
+    elif template == "dapo":
+        messages = [{"role": "user", "content": DAPO_INSTRUCTION + record["prompt"] + DAPO_REMINDER}]
+    elif template == "boxed":
+        messages = [{"role": "user", "content": record["prompt"] + BOXED_INSTRUCTION}]
+    else:
+        messages = [{"role": "user", "content": record["prompt"]}]
+    if template == "plain-question" or getattr(tokenizer, "chat_template", None) is None:
+        question = "\n\n".join(m["content"] for m in messages if m["role"] != "assistant")
+        return list(tokenizer(f"Question: {question}\nAnswer:")["input_ids"])
+    # Render to text, then tokenize: apply_chat_template(tokenize=True) returns a list in some
+    # transformers versions and a BatchEncoding in others. The template already holds any BOS.
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches for training, sharded by rank, with a resumable position
+
+
+class PromptStream:
+    """Endless batches of records; each rank gets its slice of every global batch.
+
+    `source` is a list of records (shuffled anew each epoch with a generator seeded by
+    (seed, epoch)) or an ArithmeticTask (each global batch drawn with a generator seeded by
+    (seed, step)). The global batch at a step does not depend on world_size; rank r gets
+    positions [r * B/W, (r + 1) * B/W) of it. The whole position is the step counter (plus the
+    task's level), so `state_dict()` is a few integers and restoring it continues exactly.
+    """
+
+    def __init__(self, source, batch_size, seed=0, rank=0, world_size=1):
+        if batch_size < 1 or batch_size % world_size != 0:
+            raise ValueError(f"batch_size {batch_size} must be a positive multiple of world_size "
+                             f"{world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        if not isinstance(source, ArithmeticTask) and not source:
+            raise DataError("PromptStream: no records")
+        self.source, self.batch_size, self.seed = source, batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.step = 0
+        self._epoch, self._order = None, None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        per_rank = self.batch_size // self.world_size
+        batch = self.global_batch(self.step)[self.rank * per_rank:(self.rank + 1) * per_rank]
+        self.step += 1
+        return batch
+
+    def global_batch(self, step):
+        """All ranks' records for `step` (a pure function of seed, step and the task's level)."""
+        if isinstance(self.source, ArithmeticTask):
+            return self.source.sample(self.batch_size, random.Random(f"{self.seed}:{step}"))
+        records = []
+        for position in range(step * self.batch_size, (step + 1) * self.batch_size):
+            epoch, index = divmod(position, len(self.source))  # a batch may straddle two epochs
+            records.append(dict(self.source[self._epoch_order(epoch)[index]]))
+        return records
+
+    def _epoch_order(self, epoch):
+        if epoch != self._epoch:
+            order = list(range(len(self.source)))
+            random.Random(f"{self.seed}:epoch:{epoch}").shuffle(order)
+            self._epoch, self._order = epoch, order
+        return self._order
+
+    def state_dict(self):
+        state = {"step": self.step}
+        if isinstance(self.source, ArithmeticTask):
+            state["level"] = self.source.level
+        return state
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
+        if "level" in state:
+            self.source.load_state_dict({"level": state["level"]})

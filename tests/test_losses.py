@@ -1,0 +1,526 @@
+"""Tests for losses.py: DESIGN.md's vectors, exactness under micro-batching and 2-rank gloo, GKL
+against a direct pairwise implementation and in bounded memory, non-finite inputs."""
+
+import ast
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import losses  # noqa: E402
+from losses import (AGGREGATIONS, aggregate, dpo_loss, entropy, gkl_loss, kl_estimate,  # noqa: E402
+                    micro_batch_divisors, policy_loss)
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors gain nothing from threads, and on a busy 2-core machine every op's thread
+    barrier can cost milliseconds; restored afterwards for the other test files."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# DESIGN.md vectors
+# ---------------------------------------------------------------------------------------------
+
+def test_clip_higher_vector():
+    ratios = torch.tensor([[0.5, 0.9, 1.0, 1.2, 1.5, 5.0]], dtype=F64)
+    logp = ratios.log().requires_grad_()
+    loss, stats = policy_loss(logp, torch.zeros_like(logp), torch.ones(1, dtype=F64),
+                              torch.ones_like(ratios), eps_low=0.2, eps_high=0.28, agg="none")
+    torch.testing.assert_close(loss, torch.tensor([[-0.5, -0.9, -1.0, -1.2, -1.28, -1.28]], dtype=F64))
+    loss.sum().backward()
+    # clipped tokens (r > 1.28 with A > 0) get no gradient; the others get -r
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, -0.9, -1.0, -1.2, 0.0, 0.0]], dtype=F64))
+    assert stats["clip_frac_high"].item() == pytest.approx(2 / 6)
+    assert stats["clip_frac_low"].item() == 0.0
+    assert stats["ratio_max"].item() == pytest.approx(5.0)
+    assert stats["ratio_mean"].item() == pytest.approx(sum([0.5, 0.9, 1, 1.2, 1.5, 5]) / 6)
+    assert stats["tokens"].item() == 6
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    ratios = torch.tensor([[0.5, 1.0, 2.0, 5.0, 20.0]], dtype=F64)
+    logp = ratios.log().requires_grad_()
+    adv = -torch.ones(1, dtype=F64)
+    loss, stats = policy_loss(logp, torch.zeros_like(logp), adv, torch.ones_like(ratios),
+                              clip_c=3.0, agg="none")
+    # A = -1: loss = max(r, clip(r, 0.8, 1.28)) = 0.8, 1, 2, 5, 20; dual-clip caps it at -c A = 3
+    torch.testing.assert_close(loss, torch.tensor([[0.8, 1.0, 2.0, 3.0, 3.0]], dtype=F64))
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 1.0, 2.0, 0.0, 0.0]], dtype=F64))
+    assert stats["clip_frac_low"].item() == pytest.approx(1 / 5)
+    assert stats["clip_frac_dual"].item() == pytest.approx(2 / 5)
+    no_dual, _ = policy_loss(ratios.log(), torch.zeros_like(ratios), adv, torch.ones_like(ratios), agg="none")
+    torch.testing.assert_close(no_dual, torch.tensor([[0.8, 1.0, 2.0, 5.0, 20.0]], dtype=F64))
+    with pytest.raises(ValueError):
+        policy_loss(ratios.log(), torch.zeros_like(ratios), adv, torch.ones_like(ratios), clip_c=1.0)
+
+
+def test_aggregation_vectors():
+    per_token = torch.tensor([[1.0, 3.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    assert aggregate(per_token, mask, "token-mean").item() == pytest.approx(4 / 3)
+    assert aggregate(per_token, mask, "seq-mean-token-mean").item() == pytest.approx(1.5)
+    assert aggregate(per_token, mask, "seq-mean-token-sum-norm", max_tokens=4).item() == pytest.approx(1.0)
+    # one prompt holding both rows: its token mean; two prompts: the mean of their token means
+    assert aggregate(per_token, mask, "group-token-mean", group_ids=torch.tensor([7, 7])).item() == pytest.approx(4 / 3)
+    assert aggregate(per_token, mask, "group-token-mean", group_ids=torch.tensor([0, 1])).item() == pytest.approx(1.5)
+    torch.testing.assert_close(aggregate(per_token, mask, "none"), per_token)
+    # the same through policy_loss: A = -1 and r = 1 make the per-token loss 1 everywhere
+    ones = torch.ones(2, 4, dtype=F64)
+    loss, _ = policy_loss(torch.zeros_like(ones), torch.zeros_like(ones), -ones * per_token, mask, agg="token-mean")
+    assert loss.item() == pytest.approx(4 / 3)
+    with pytest.raises(ValueError):
+        aggregate(per_token, mask, "sequence-mean")
+    with pytest.raises(ValueError):
+        aggregate(per_token, mask, "group-token-mean")
+
+
+def test_empty_micro_batch_gives_zero():
+    per_token = torch.zeros(0, 5, dtype=F64)
+    for agg in AGGREGATIONS:
+        out = aggregate(per_token, torch.zeros(0, 5), agg, group_ids=torch.zeros(0, dtype=torch.long))
+        assert out.item() == 0.0
+    # all-padding rows with the global divisors of a bigger batch: a zero-weight micro-batch
+    out = aggregate(torch.ones(2, 3, dtype=F64), torch.zeros(2, 3), "token-mean", num_tokens=10)
+    assert out.item() == 0.0
+
+
+def test_kl_estimator_vectors():
+    logp, ref = torch.tensor(math.log(0.5), dtype=F64), torch.tensor(math.log(0.25), dtype=F64)
+    assert kl_estimate(logp, ref, "k3").item() == pytest.approx(0.193147, abs=1e-6)
+    assert kl_estimate(logp, ref, "k1").item() == pytest.approx(math.log(2))
+    assert kl_estimate(logp, ref, "k2").item() == pytest.approx(0.5 * math.log(2) ** 2)
+    x = torch.randn(100, dtype=F64)
+    y = torch.randn(100, dtype=F64)
+    assert (kl_estimate(x, y, "k3") >= 0).all() and (kl_estimate(x, y, "k2") >= 0).all()
+    for kind in ("k1", "k2", "k3"):
+        assert kl_estimate(x, x, kind).abs().max().item() == 0.0
+    with pytest.raises(ValueError):
+        kl_estimate(x, y, "k4")
+
+
+def test_dpo_vector():
+    t = lambda v: torch.tensor([v], dtype=F64)  # noqa: E731
+    loss, stats = dpo_loss(t(-10.0), t(-12.0), t(-11.0), t(-11.0), beta=0.1)
+    assert loss.item() == pytest.approx(0.598139, abs=1e-6)
+    assert stats["reward_margin"].item() == pytest.approx(0.2)
+    assert stats["chosen_reward"].item() == pytest.approx(0.1)
+    assert stats["rejected_reward"].item() == pytest.approx(-0.1)
+    assert stats["accuracy"].item() == 1.0
+    # a global divisor splits the mean over pairs exactly
+    pi_c, pi_r, ref_c, ref_r = (torch.randn(5, dtype=F64) for _ in range(4))
+    whole, _ = dpo_loss(pi_c, pi_r, ref_c, ref_r, 0.3)
+    parts = sum(dpo_loss(pi_c[s], pi_r[s], ref_c[s], ref_r[s], 0.3, num_pairs=5)[0]
+                for s in (slice(0, 2), slice(2, 5)))
+    assert parts.item() == pytest.approx(whole.item(), abs=1e-12)
+
+
+O_POLICY = [1.0, -0.5, 0.3, 2.0, -1.2]
+O_REF = [0.2, 0.8, -1.0, 2.5, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("settings, expected", [
+    (dict(alpha=1.0, beta=1.0, gamma=1.0, temperature=1.0, weight_temperature=1.0), (0.1520041, 0.1953647, 0.3473687)),
+    (dict(alpha=1.0, beta=8.0, gamma=0.5, temperature=4.0, weight_temperature=4.0), (0.5071708, 0.0294303, 4.0867967)),
+])
+def test_gkl_vectors(settings, expected, dtype):
+    logits = torch.tensor(O_POLICY, dtype=dtype).view(1, 1, 5)
+    ref = torch.tensor(O_REF, dtype=dtype).view(1, 1, 5)
+    loss, stats = gkl_loss(logits, ref, torch.ones(1, 1), **settings)
+    wmse, kl, gkl = expected
+    assert stats["wmse"].item() == pytest.approx(wmse, abs=1e-6)
+    assert stats["kl"].item() == pytest.approx(kl, abs=1e-6)
+    assert loss.item() == pytest.approx(gkl, abs=1e-6)
+    assert stats["gkl"].item() == pytest.approx(gkl, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# GKL: against the direct pairwise form, zero at equality, memory
+# ---------------------------------------------------------------------------------------------
+
+def _pairwise_gkl(logits, ref, mask, alpha, beta, gamma, temperature, weight_temperature):
+    """The O(V^2) definition, by autograd: 1/4 sum_jk p~_j p~_k (d_j - d_k)^2 + KL, token mean."""
+    ref = ref.detach()
+    w = torch.softmax(ref / weight_temperature, -1) ** gamma               # (B, T, V)
+    p = w / w.sum(-1, keepdim=True)
+    d = ref - logits                                                       # (B, T, V)
+    pair_diff = d[..., :, None] - d[..., None, :]                          # (B, T, V, V)
+    wmse = 0.25 * (p[..., :, None] * p[..., None, :] * pair_diff ** 2).sum((-1, -2))
+    s_ref = torch.softmax(ref / temperature, -1)
+    kl = (s_ref * (torch.log_softmax(ref / temperature, -1) - torch.log_softmax(logits / temperature, -1))).sum(-1)
+    term = alpha * kl + beta * wmse                                        # (B, T)
+    return (term * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("settings", [
+    dict(alpha=1.0, beta=1.0, gamma=1.0, temperature=1.0, weight_temperature=1.0),
+    dict(alpha=0.7, beta=3.0, gamma=0.5, temperature=2.0, weight_temperature=1.5),
+    dict(alpha=0.0, beta=1.0, gamma=0.0, temperature=1.0, weight_temperature=1.0),
+])
+def test_gkl_equals_pairwise_value_and_gradient(settings):
+    torch.manual_seed(0)
+    logits = (2 * torch.randn(3, 4, 7, dtype=F64)).requires_grad_()
+    ref = 2 * torch.randn(3, 4, 7, dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=F64)
+    expected = _pairwise_gkl(logits, ref, mask, **settings)
+    (expected_grad,) = torch.autograd.grad(expected, logits)
+    for chunk_size in (None, 1, 5):
+        got, _ = gkl_loss(logits, ref, mask, chunk_size=chunk_size, **settings)
+        (grad,) = torch.autograd.grad(got, logits)
+        assert abs(got.item() - expected.item()) <= 1e-6
+        assert (grad - expected_grad).abs().max().item() <= 1e-6
+
+
+def test_gkl_zero_at_equality_positive_otherwise_ref_gets_no_gradient():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 3, 11, dtype=F64, requires_grad=True)
+    ref = logits.detach().clone().requires_grad_()
+    loss, _ = gkl_loss(logits, ref, torch.ones(2, 3), beta=2.0, gamma=0.6, temperature=1.3)
+    assert abs(loss.item()) < 1e-12
+    loss.backward()
+    assert logits.grad.abs().max().item() < 1e-12
+    assert ref.grad is None                             # the reference side is detached
+    shifted = logits.detach() + 5.0                      # same distribution, shifted logits:
+    loss, stats = gkl_loss(shifted, ref.detach(), torch.ones(2, 3))
+    assert abs(stats["kl"].item()) < 1e-12 and abs(stats["wmse"].item()) < 1e-12  # d - dbar = 0
+    other = logits.detach() + 0.1 * torch.randn(2, 3, 11, dtype=F64)
+    for settings in (dict(), dict(alpha=0.0), dict(beta=0.0), dict(gamma=0.3, temperature=3.0)):
+        assert gkl_loss(other, ref.detach(), torch.ones(2, 3), **settings)[0].item() > 0
+
+
+def test_gkl_bf16_input_fp32_math():
+    torch.manual_seed(2)
+    logits = torch.randn(2, 3, 50).to(torch.bfloat16).requires_grad_()
+    ref = torch.randn(2, 3, 50).to(torch.bfloat16)
+    loss, _ = gkl_loss(logits, ref, torch.ones(2, 3))
+    expected = _pairwise_gkl(logits.detach().double(), ref.double(), torch.ones(2, 3, dtype=F64),
+                             1.0, 1.0, 1.0, 1.0, 1.0)
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    loss.backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
+_MEMORY_SCRIPT = r"""
+import json, re, resource, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from losses import gkl_loss
+
+
+def resident_mib(field):  # VmHWM: peak resident memory since the last reset; VmRSS: now
+    status = open("/proc/self/status").read()
+    return int(re.search(field + r":\s+(\d+)", status).group(1)) / 1024
+
+
+def reset_peak():  # Linux >= 4.0: writing 5 to clear_refs resets VmHWM to the current VmRSS
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return resident_mib("VmRSS"), "VmHWM"
+    except OSError:  # fall back to ru_maxrss, a peak that cannot be reset (still a true peak)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, None
+
+
+def peak_mib(field):
+    return resident_mib(field) if field else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+torch.manual_seed(0)
+tiny = torch.randn(2, 3, 11, requires_grad=True)       # warm up kernels and thread pools
+gkl_loss(tiny, torch.randn(2, 3, 11), torch.ones(2, 3))[0].backward()
+logits = torch.randn(2, 8, 151936, requires_grad=True)  # randn writes every page: they count now
+ref = torch.randn(2, 8, 151936)
+mask = torch.ones(2, 8)
+base, field = reset_peak()
+loss, stats = gkl_loss(logits, ref, mask, beta=2.0, gamma=0.5)
+loss.backward()
+extra = peak_mib(field) - base
+assert torch.isfinite(logits.grad).all()
+del loss, stats
+base, field = reset_peak()
+probe = torch.ones(50_000_000)                          # 191 MiB, touched: the gauge must see it
+probe_mib = peak_mib(field) - base if field else None
+print(json.dumps({"inputs_mib": 2 * logits.numel() * 4 / 2**20, "extra_mib": extra,
+                  "probe_mib": probe_mib, "gauge": field or "ru_maxrss",
+                  "grad_abs_sum": float(logits.grad.abs().sum())}))
+"""
+
+
+@pytest.mark.slow
+def test_gkl_full_vocabulary_memory():
+    """Forward + backward of GKL on (2, 8, 151936) fp32 logits, peak resident memory measured by
+    the kernel in a fresh process (torch allocates outside Python, so tracemalloc cannot see it)."""
+    out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(ROOT)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(result)
+    if result["probe_mib"] is not None:
+        assert 150 < result["probe_mib"] < 260               # the gauge really sees allocations
+    assert math.isfinite(result["grad_abs_sum"]) and result["grad_abs_sum"] > 0
+    # The gradient alone is 9.3 MiB; the V x V weight matrix of the authors' code would be
+    # 16 * 151936^2 floats (1.3 TiB). "Well under 1 GB": we allow 256 MiB.
+    assert result["extra_mib"] < 256, result
+
+
+# ---------------------------------------------------------------------------------------------
+# Entropy
+# ---------------------------------------------------------------------------------------------
+
+def test_entropy_matches_reference_value_and_gradient():
+    torch.manual_seed(3)
+    logits = (3 * torch.randn(2, 5, 13, dtype=F64)).requires_grad_()
+    reference = torch.distributions.Categorical(logits=logits).entropy()    # (2, 5)
+    weights = torch.randn(2, 5, dtype=F64)
+    (ref_grad,) = torch.autograd.grad((reference * weights).sum(), logits)
+    for chunk_size in (None, 1, 3):
+        got = entropy(logits, chunk_size=chunk_size)
+        assert got.shape == (2, 5)
+        torch.testing.assert_close(got, reference.detach(), rtol=0, atol=1e-12)
+        (grad,) = torch.autograd.grad((got * weights).sum(), logits)
+        torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-12)
+    bf16 = entropy(logits.detach().to(torch.bfloat16))
+    assert bf16.dtype == torch.float32
+    assert entropy(torch.zeros(4, 8)).sub(math.log(8)).abs().max().item() < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# Exactness: one mini-batch == the sum of its micro-batches == the sum over two gloo ranks
+# ---------------------------------------------------------------------------------------------
+
+LENGTHS = [5, 2, 7, 1, 4, 6, 3]           # loss tokens per row
+GROUPS = [0, 0, 1, 1, 1, 2, 2]            # prompt of each row; group 1 straddles splits
+DIM, VOCAB = 4, 6
+
+
+def _rollouts(seed=0):
+    """Seeded toy rollouts: per row features, sampled tokens, old log-probs, advantage."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for length in LENGTHS:
+        rows.append({"x": torch.randn(length, DIM, generator=g, dtype=F64),
+                     "tokens": torch.randint(0, VOCAB, (length,), generator=g),
+                     "old_noise": 0.4 * torch.randn(length, generator=g, dtype=F64),
+                     "adv": torch.randn((), generator=g, dtype=F64)})
+    weight = torch.randn(DIM, VOCAB, generator=g, dtype=F64)
+    ref_weight = weight + 0.3 * torch.randn(DIM, VOCAB, generator=g, dtype=F64)
+    return rows, weight, ref_weight
+
+
+def _micro_batch(rows, indices):
+    """Pad the rows to this micro-batch's own longest row (so widths differ between micro-batches)."""
+    width = max([LENGTHS[i] for i in indices] or [1])
+    b = len(indices)
+    out = {"x": torch.zeros(b, width, DIM, dtype=F64), "tokens": torch.zeros(b, width, dtype=torch.long),
+           "old_noise": torch.zeros(b, width, dtype=F64), "mask": torch.zeros(b, width, dtype=F64),
+           "adv": torch.zeros(b, dtype=F64), "group_ids": torch.tensor([GROUPS[i] for i in indices], dtype=torch.long)}
+    for k, i in enumerate(indices):
+        n = LENGTHS[i]
+        out["x"][k, :n], out["tokens"][k, :n] = rows[i]["x"], rows[i]["tokens"]
+        out["old_noise"][k, :n], out["mask"][k, :n], out["adv"][k] = rows[i]["old_noise"], 1.0, rows[i]["adv"]
+    return out
+
+
+def _micro_loss(mb, weight, ref_weight, loss_kind, agg, **divisors):
+    logits = mb["x"] @ weight                                              # (b, T, V)
+    if loss_kind == "gkl":
+        return gkl_loss(logits, mb["x"] @ ref_weight, mb["mask"], beta=2.0, gamma=0.5, agg=agg,
+                        chunk_size=3, **divisors)[0]
+    logp = torch.log_softmax(logits, -1).gather(-1, mb["tokens"][..., None])[..., 0]  # (b, T)
+    old_logp = logp.detach() + mb["old_noise"]   # ratios spread over both clip edges
+    return policy_loss(logp, old_logp, mb["adv"], mb["mask"], eps_low=0.2, eps_high=0.28, clip_c=3.0,
+                       agg=agg, **divisors)[0]
+
+
+def _loss_and_grad(split, loss_kind, agg, use_global_divisors=True, max_tokens=None):
+    rows, weight0, ref_weight = _rollouts()
+    weight = weight0.clone().requires_grad_()
+    micro = [_micro_batch(rows, idx) for idx in split]
+    divisors = micro_batch_divisors([m["mask"] for m in micro], [m["group_ids"] for m in micro],
+                                    max_tokens=max_tokens)
+    total = 0.0
+    for mb, div in zip(micro, divisors):
+        kwargs = div if use_global_divisors else {"group_ids": mb["group_ids"]}
+        loss = _micro_loss(mb, weight, ref_weight, loss_kind, agg, **kwargs)
+        loss.backward()
+        total += loss.item()
+    return total, weight.grad.clone()
+
+
+def _whole_batch(loss_kind, agg):
+    """One piece, every divisor left to its default: the definition the splits must reproduce."""
+    rows, weight0, ref_weight = _rollouts()
+    weight = weight0.clone().requires_grad_()
+    mb = _micro_batch(rows, list(range(len(LENGTHS))))
+    loss = _micro_loss(mb, weight, ref_weight, loss_kind, agg, group_ids=mb["group_ids"])
+    loss.backward()
+    return loss.item(), weight.grad.clone()
+
+
+UNEVEN_SPLIT = [[0, 1, 2], [3], [4, 5, 6]]
+
+
+@pytest.mark.parametrize("loss_kind", ["policy", "gkl"])
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_micro_batches_sum_to_the_mini_batch(loss_kind, agg):
+    whole_loss, whole_grad = _whole_batch(loss_kind, agg)
+    assert whole_grad.abs().max() > 1e-3                    # the test has something to compare
+    for split in (UNEVEN_SPLIT, [[6, 0], [3, 5, 1, 2], [4]], [[i] for i in range(7)]):
+        loss, grad = _loss_and_grad(split, loss_kind, agg)
+        assert abs(loss - whole_loss) <= 1e-10
+        assert (grad - whole_grad).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "group-token-mean"])
+def test_local_divisors_are_not_exact(agg):
+    """Dividing each micro-batch by its own counts (the common bug) changes the gradient."""
+    _, whole_grad = _whole_batch("policy", agg)
+    _, grad = _loss_and_grad(UNEVEN_SPLIT, "policy", agg, use_global_divisors=False)
+    assert (grad - whole_grad).abs().max().item() > 1e-3
+
+
+def test_dr_grpo_needs_a_constant_max_tokens():
+    whole_loss, whole_grad = _whole_batch("policy", "seq-mean-token-sum-norm")   # divides by T = 7
+    loss, grad = _loss_and_grad(UNEVEN_SPLIT, "policy", "seq-mean-token-sum-norm", max_tokens=7)
+    assert (grad - whole_grad).abs().max().item() <= 1e-6
+    divisors = micro_batch_divisors([torch.ones(2, 3), torch.ones(1, 9)])
+    assert all(d["max_tokens"] == 9 for d in divisors)          # default: the widest micro-batch
+
+
+def test_micro_batch_divisors_counts():
+    masks = [torch.tensor([[1, 1, 0], [0, 0, 0]]), torch.tensor([[1, 1, 1, 1]])]
+    gids = [torch.tensor([0, 2]), torch.tensor([2])]
+    d0, d1 = micro_batch_divisors(masks, gids, max_tokens=16)
+    assert d0["num_tokens"].item() == 6 and d0["num_seqs"].item() == 2 and d0["max_tokens"] == 16
+    assert d0["num_groups"].item() == 2                      # group 1 does not exist, group 2 has tokens
+    assert d0["group_token_counts"].tolist() == [2, 4] and d1["group_token_counts"].tolist() == [4]
+
+
+def _dist_worker(rank, world_size, init_file, out_file):
+    """Rank r of 2: its own rows (uneven counts of rows and tokens), its own micro-batches."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    splits = {0: [[0, 1, 2], [3]], 1: [[4], [5, 6]]}     # rank 0: 4 rows 15 tokens; rank 1: 3 rows 13
+    results = {}
+    for loss_kind in ("policy", "gkl"):
+        for agg in AGGREGATIONS:
+            rows, weight0, ref_weight = _rollouts()
+            weight = weight0.clone().requires_grad_()
+            micro = [_micro_batch(rows, idx) for idx in splits[rank]]
+            divisors = micro_batch_divisors([m["mask"] for m in micro], [m["group_ids"] for m in micro],
+                                            distributed=True)
+            loss_sum = torch.zeros((), dtype=F64)
+            for mb, div in zip(micro, divisors):
+                loss = _micro_loss(mb, weight, ref_weight, loss_kind, agg, **div)
+                loss.backward()
+                loss_sum += loss.detach()
+            # The SUM convention: each rank's loss is its share of the global sum, so gradients
+            # are summed (DDP would average them: multiply the loss by world_size there).
+            dist.all_reduce(weight.grad, op=dist.ReduceOp.SUM)
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+            results[f"{loss_kind}/{agg}"] = {"loss": loss_sum.item(), "grad": weight.grad.flatten().tolist()}
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_equal_one_process(tmp_path):
+    out_file = tmp_path / "results.json"
+    mp.spawn(_dist_worker, args=(2, str(tmp_path / "init"), str(out_file)), nprocs=2, join=True)
+    results = json.loads(out_file.read_text())
+    for loss_kind in ("policy", "gkl"):
+        for agg in AGGREGATIONS:
+            whole_loss, whole_grad = _whole_batch(loss_kind, agg)
+            got = results[f"{loss_kind}/{agg}"]
+            assert abs(got["loss"] - whole_loss) <= 1e-10, (loss_kind, agg)
+            grad = torch.tensor(got["grad"], dtype=F64).view_as(whole_grad)
+            assert (grad - whole_grad).abs().max().item() <= 1e-6, (loss_kind, agg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite inputs, padding
+# ---------------------------------------------------------------------------------------------
+
+def test_non_finite_inputs_give_non_finite_loss():
+    logp = torch.full((2, 3), -1.0, dtype=F64)
+    mask = torch.ones(2, 3)
+    adv = torch.ones(2, dtype=F64)
+    for bad in (math.nan, math.inf, -math.inf):
+        for agg in AGGREGATIONS:
+            x = logp.clone()
+            x[1, 2] = bad
+            loss, _ = policy_loss(x, logp, adv, mask, agg=agg, group_ids=torch.tensor([0, 1]))
+            assert not torch.isfinite(loss), (bad, agg)
+    nan_adv = torch.tensor([1.0, math.nan], dtype=F64)
+    assert not torch.isfinite(policy_loss(logp, logp, nan_adv, mask)[0])
+    logits = torch.randn(1, 2, 5, dtype=F64)
+    logits[0, 1, 3] = math.nan
+    assert not torch.isfinite(gkl_loss(logits, torch.randn(1, 2, 5, dtype=F64), torch.ones(1, 2))[0])
+    assert not torch.isfinite(gkl_loss(torch.randn(1, 2, 5, dtype=F64), logits, torch.ones(1, 2))[0])
+    assert not torch.isfinite(entropy(logits)).all()
+    assert not torch.isfinite(dpo_loss(torch.tensor([math.nan]), torch.tensor([0.0]), torch.tensor([0.0]),
+                                       torch.tensor([0.0]), 0.1)[0])
+    assert not torch.isfinite(kl_estimate(torch.tensor([-math.inf]), torch.tensor([-1.0]), "k3")).all()
+
+
+def test_padding_never_reaches_loss_or_gradient():
+    torch.manual_seed(4)
+    logp = torch.randn(2, 4, dtype=F64).requires_grad_()
+    old = torch.randn(2, 4, dtype=F64)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]], dtype=F64)
+    clean, _ = policy_loss(logp, old, torch.tensor([1.0, -1.0], dtype=F64), mask, clip_c=3.0)
+    (clean_grad,) = torch.autograd.grad(clean, logp)
+    garbage_logp = logp.detach().clone()
+    garbage_logp[0, 3], garbage_logp[1, 3] = math.nan, math.inf
+    garbage_logp.requires_grad_()
+    garbage_old = old.clone()
+    garbage_old[0, 2] = -math.inf
+    loss, stats = policy_loss(garbage_logp, garbage_old, torch.tensor([1.0, -1.0], dtype=F64), mask, clip_c=3.0)
+    (grad,) = torch.autograd.grad(loss, garbage_logp)
+    assert loss.item() == pytest.approx(clean.item(), abs=1e-12)
+    torch.testing.assert_close(grad, clean_grad)
+    assert all(torch.isfinite(v) for v in stats.values())
+    logits = torch.randn(2, 4, 6, dtype=F64)
+    garbage_logits = logits.clone()
+    garbage_logits[0, 3] = math.nan
+    garbage_logits.requires_grad_()
+    loss, _ = gkl_loss(garbage_logits, logits, mask)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(garbage_logits.grad).all()
+    ent_logits = garbage_logits.detach().clone().requires_grad_()
+    aggregate(entropy(ent_logits), mask).backward()
+    assert torch.isfinite(ent_logits.grad).all()
+
+
+def test_modules_import_only_torch_and_the_standard_library():
+    for name in ("losses.py", "dapo.py"):
+        tree = ast.parse((ROOT / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                roots = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            for root in roots:
+                assert root == "torch" or root == "__future__" or root in sys.stdlib_module_names, (name, root)
+    assert losses.__doc__ and "every divisor can be given globally" in losses.__doc__

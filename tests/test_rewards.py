@@ -1,0 +1,510 @@
+"""Tests for rewards.py: extraction, verification, shaping terms, format terms, hostile input.
+
+Run: python -m pytest tests/test_rewards.py -q
+"""
+
+import ast
+import math
+import pathlib
+import random
+import re
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import rewards  # noqa: E402
+from rewards import (  # noqa: E402
+    extract_answer, format_reward, is_correct, math_reward, normalize_answer, overlong_penalty,
+    perplexity_penalty,
+)
+
+# ---------------------------------------------------------------------------------------------
+# DESIGN.md vectors
+
+
+@pytest.mark.parametrize("length, expected", [(15, 0.0), (16, -0.2), (18, -0.6), (20, -1.0), (21, -1.0)])
+def test_overlong_penalty_design_vector(length, expected):
+    # DESIGN.md: L_max 20, L_cache 5: L = 16, 18, 20 -> -0.2, -0.6, -1 (15 -> 0, 21 -> -1).
+    assert overlong_penalty(length, 20, 5) == pytest.approx(expected, abs=1e-12)
+
+
+def test_overlong_penalty_edges():
+    assert overlong_penalty(0, 20, 5) == 0.0
+    assert overlong_penalty(10_000, 20, 5) == -1.0
+    assert overlong_penalty(0, 20, 20) == 0.0  # the window may span the whole budget
+    assert overlong_penalty(10, 20, 20) == pytest.approx(-0.5)
+    # DAPO's run: L_max 20,480, L_cache 4,096.
+    assert overlong_penalty(16_384, 20_480, 4_096) == 0.0
+    assert overlong_penalty(18_432, 20_480, 4_096) == pytest.approx(-0.5)
+    assert overlong_penalty(20_481, 20_480, 4_096) == -1.0
+
+
+@pytest.mark.parametrize("args, name", [
+    ((10, 20, 0), "cache_len"), ((10, 20, -1), "cache_len"), ((10, 20, 21), "cache_len"),
+    ((10, 0, 0), "max_len"), ((10, -5, 1), "max_len"), ((-1, 20, 5), "length"),
+    ((float("nan"), 20, 5), "length"), ((10, float("inf"), 5), "max_len"), ((10, 20, "5x"), "cache_len"),
+])
+def test_overlong_penalty_validation(args, name):
+    with pytest.raises(ValueError, match=name):
+        overlong_penalty(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Perplexity penalty (this project's variant): eq. 13's shape in log-perplexity
+
+
+@pytest.mark.parametrize("nll, expected", [
+    (0.0, 0.0), (1.9, 0.0), (2.0, 0.0),  # at or below the threshold: no penalty
+    (2.1, -0.2), (2.25, -0.5), (2.4, -0.8),  # (2.0 - nll) / 0.5 inside the window
+    (2.5, -1.0), (3.0, -1.0), (float("inf"), -1.0), (float("nan"), -1.0),  # beyond: -1
+])
+def test_perplexity_penalty_values(nll, expected):
+    assert perplexity_penalty(nll, 2.0, 0.5) == pytest.approx(expected, abs=1e-12)
+
+
+def test_perplexity_penalty_matches_overlong_shape():
+    # Same function as eq. 13 with threshold = L_max - L_cache, window = L_cache.
+    for length in range(0, 30):
+        assert perplexity_penalty(length, 15, 5) == pytest.approx(overlong_penalty(length, 20, 5))
+
+
+@pytest.mark.parametrize("args, name", [
+    ((2.5, 2.0, 0.0), "window"), ((2.5, 2.0, -1.0), "window"), ((2.5, 2.0, float("inf")), "window"),
+    ((2.5, float("nan"), 1.0), "threshold"), (("x", 2.0, 1.0), "mean_nll"),
+])
+def test_perplexity_penalty_validation(args, name):
+    with pytest.raises(ValueError, match=name):
+        perplexity_penalty(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Verification table: (response, truth, expected)
+
+CASES = [
+    # "Answer: X" (DAPO), last match, rest of the line
+    ("Answer: 42", "42", True),
+    ("Let me think.\n2 + 40 = 42\nAnswer: 42", "42", True),
+    ("answer: 42", "42", True),
+    ("**Answer:** 42", "42", True),
+    ("Final Answer: 42", "42", True),
+    ("Answer: 41\nwait, recheck\nAnswer: 42", "42", True),
+    ("Answer: 42\nAnswer: 41", "42", False),
+    ("Answer:\n42", "42", True),
+    ("Answer: $\\boxed{42}$", "42", True),
+    ("\\boxed{42}\nAnswer: 41", "42", False),  # "Answer:" outranks a box
+    ("Check our answer: 17 * 2 = 34 fits\nso \\boxed{42}", "42", True),  # prose is not an Answer line
+    ("\uff21\uff4e\uff53\uff57\uff45\uff52\uff1a\uff14\uff12", "42", True),  # full width
+    # \boxed{...} / \fbox{...}, last balanced one
+    ("so the result is \\boxed{42}", "42", True),
+    ("\\boxed{1} then \\boxed{2}", "2", True),
+    ("\\boxed{1} then \\boxed{2}", "1", False),
+    ("$\\boxed{\\frac{1}{2}}$", "0.5", True),
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}", True),
+    ("\\fbox{7}", "7", True),
+    ("$\\boxed{ 7 }$.", "7", True),
+    ("\\boxed{\\{1, 2\\}}", "\\{1,2\\}", True),
+    ("\\boxed{5} and then a cut-off \\boxed{\\frac{1}{", "5", True),  # unbalanced last box skipped
+    ("\\boxed 5", "5", True),
+    ("\\boxed{\\text{(C)}}", "C", True),
+    ("\\boxed{x^{2}}", "x^2", True),
+    ("\\boxed{{{7}}}", "7", False),  # groups are kept, "{{7}}" is not 7
+    # GSM8K "#### X"
+    ("She pays 3 * 4 = 12 dollars.\n#### 12", "12", True),
+    ("#### 1,000", "1000", True),
+    ("#### 12\nno wait\n#### 13", "13", True),
+    ("#### $18.90", "18.9", True),
+    ("#### 12", "#### 12", True),
+    ("The answer is 72.", "She sold 48/2 = <<48/2=24>>24 clips.\n#### 72", True),  # a GSM8K solution as truth
+    ("Answer: 5", "\\boxed{5}", True),  # a boxed truth
+    # last number fallback
+    ("The answer is 42.", "42", True),
+    ("So she has 5 apples left", "5", True),
+    ("we get -3", "-3", True),
+    ("in total 1,000", "1000", True),
+    ("about 3.50", "3.5", True),
+    ("read pages 3-5", "-5", False),  # a hyphen, not a minus
+    ("x = 10 and then 12", "10", False),
+    # numeric equivalence
+    ("Answer: 1,000", "1000", True),
+    ("Answer: 1000.0", "1,000", True),
+    ("Answer: 1000.00", "1000", True),
+    ("Answer: 1/2", "0.5", True),
+    ("Answer: 0.5", "\\frac{1}{2}", True),
+    ("Answer: \\dfrac12", "1/2", True),
+    ("Answer: \\tfrac{1}{2}", "0.5", True),
+    ("Answer: \\frac12", "\\frac{1}{2}", True),
+    ("Answer: .5", "0.5", True),
+    ("Answer: -\\frac{1}{2}", "-0.5", True),
+    ("Answer: \\frac{-1}{2}", "-1/2", True),
+    ("Answer: 2/4", "1/2", True),
+    ("Answer: 50\\%", "50", True),
+    ("Answer: 50%", "50\\%", True),
+    ("Answer: 50 percent", "50", True),
+    ("Answer: 10 cm", "10", True),
+    ("Answer: 10\\text{ cm}", "10", True),
+    ("Answer: 12 dollars", "\\$12", True),
+    ("Answer: \\$12.00", "12", True),
+    ("Answer: 30 degrees", "30^\\circ", True),
+    ("Answer: 30^{\\circ}", "30", True),
+    ("Answer: 30\u00b0", "30", True),
+    ("Answer: x = 5", "5", True),
+    ("Answer: k=5", "5", True),
+    ("Answer: The final answer is 5", "5", True),
+    ("Answer: 5.", "5", True),
+    ("Answer: 1e3", "1000", True),
+    ("Answer: 3 \\times 10^{2}", "300", True),
+    ("Answer: 10 square feet", "10", True),
+    ("Answer: 5 m", "5", True),
+    ("Answer: 1\\,000", "1000", True),
+    ("Answer: 10,\\!080", "10080", True),
+    ("Answer: +5", "5", True),
+    ("Answer: 5", 5, True),  # int truth
+    ("Answer: 0.25", 0.25, True),  # float truth
+    ("Answer: \u22125", "-5", True),  # U+2212 minus
+    ("Answer: \u00bd", "1/2", True),
+    # LaTeX normalisation (MATH-style answers)
+    ("Answer: \\left( 1, 2 \\right)", "(1,2)", True),
+    ("Answer: (1, 2.0)", "(1,2)", True),
+    ("Answer: [0, \\frac{1}{2})", "[0,0.5)", True),
+    ("Answer: \\text{Sunday}", "Sunday", True),
+    ("Answer: \\mathrm{Sunday}", "sunday", True),
+    ("Answer: \\sqrt{2}", "\\sqrt2", True),
+    ("Answer: 2\\sqrt{3}", "2 \\sqrt 3", True),
+    ("Answer: \\pi", "\u03c0", True),
+    ("Answer: 2\u03c0", "2\\pi", True),
+    ("Answer: x \\leq 5", "x\\le5", True),
+    ("Answer: \\displaystyle\\frac{3}{4}", "0.75", True),
+    ("Answer: \\infty", "\u221e", True),
+    ("Answer: x^{2}+1", "x^2 + 1", True),
+    ("Answer: x\u00b2 + 1", "x^2+1", True),
+    ("Answer: \\dbinom{5}{2}", "\\binom{5}{2}", True),
+    ("Answer: (C)", "C", True),
+    ("Answer: \\frac{1}{0}", "\\frac{1}{0}", True),  # equal strings; no division by zero
+    # things that must NOT match
+    ("Answer: 1/2", "2", False),
+    ("Answer: 100", "10", False),
+    ("Answer: 3", "3.5", False),
+    ("Answer: \\frac{1}{3}", "0.33", False),
+    ("Answer: 0.1", "1/3", False),
+    ("Answer: -5", "5", False),
+    ("Answer: \\sqrt{3}", "\\sqrt{2}", False),
+    ("Answer: (1, 2)", "(2,1)", False),
+    ("Answer: (1, 2)", "[1,2]", False),
+    ("Answer: 1,2", "12", False),
+    ("Answer: 50\\%", "0.5", False),  # a percentage equals its number, not its fraction
+    ("Answer: 2m", "2", False),  # one-letter units only after a space: 2m may be a product
+    ("Answer: 3i", "3", False),
+    ("", "5", False),
+    ("I don't know", "5", False),
+    ("Answer: 5", "", False),
+    ("Answer: 5", None, False),
+    (None, "5", False),
+    # hostile values: compared as strings, never evaluated
+    ("Answer: 2**10", "1024", False),
+    ("Answer: 1e999999999", "1e999999998", False),
+    ("Answer: 1e999999999", "1e999999999", True),
+    ("Answer: " + "9" * 150, "9" * 150, True),
+    ("Answer: " + "9" * 150, "9" * 149 + "8", False),
+    ("Answer: \\frac{10^{9999}}{3}", "3", False),
+]
+
+
+def test_table_is_large_enough():
+    assert len(CASES) >= 80
+
+
+@pytest.mark.parametrize("response, truth, expected", CASES)
+def test_is_correct_table(response, truth, expected):
+    got = is_correct(response, truth)
+    assert type(got) is bool
+    assert got == expected, (response, truth, extract_answer(response))
+
+
+# ---------------------------------------------------------------------------------------------
+# Extraction details
+
+
+def test_extraction_priority_order():
+    both = "#### 3\n\\boxed{2}\nAnswer: 1\nand 4"
+    assert extract_answer(both) == "1"
+    assert extract_answer(both.replace("Answer: 1\n", "")) == "2"
+    assert extract_answer("#### 3\nand 4") == "3"
+    assert extract_answer("and 4 then 5") == "5"
+    assert extract_answer("no digits here") is None
+    assert extract_answer("") is None
+    assert extract_answer(None) is None
+
+
+def test_extraction_forms():
+    assert extract_answer("\\boxed{\\frac{a}{\\sqrt{b}}}") == "\\frac{a}{\\sqrt{b}}"
+    assert extract_answer("\\boxed{\\{1\\}}") == "\\{1\\}"  # escaped braces do not group
+    assert extract_answer("\\boxed{a\\\\}b}") == "a\\\\"  # \\ is a line break, then } closes
+    assert extract_answer("\\boxed{}") is None
+    assert extract_answer("Answer: 7\n\n") == "7"
+    assert extract_answer("so 1/2 of it") == "1/2"
+    assert extract_answer("it was -0.25 today") == "-0.25"
+
+
+def test_extraction_reads_only_the_tail():
+    # The answer sits at the end; only the last MAX_SCAN_CHARS characters are read.
+    filler = "word " * (rewards.MAX_SCAN_CHARS // 2)
+    assert extract_answer(filler + "\nAnswer: 5") == "5"
+    assert extract_answer("Answer: 5\n" + filler) is None
+
+
+def test_normalize_answer():
+    assert normalize_answer("\\dfrac{1}{2}") == "\\frac{1}{2}"
+    assert normalize_answer("\\left( 1, 2 \\right)") == "(1,2)"
+    assert normalize_answer("$10\\text{ cm}$.") == "10"
+    assert normalize_answer("x = \\frac12") == "\\frac{1}{2}"
+    assert normalize_answer("\\tfrac{\\sqrt3}{2}") == "\\frac{\\sqrt{3}}{2}"
+    assert normalize_answer("90^\\circ") == "90"
+    assert normalize_answer("\\text{Yes}") == "yes"
+    assert normalize_answer(None) == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Format terms
+
+
+def test_format_answer_line():
+    assert format_reward("work\nAnswer: 5", "answer") == 1.0
+    assert format_reward("work\n**Answer:** 5\n\n", "answer") == 1.0
+    assert format_reward("Answer: 5\nmore text", "answer") == 0.0  # not the final line
+    assert format_reward("work\nAnswer:", "answer") == 0.0  # nothing after the colon
+    assert format_reward("the answer is 5", "answer") == 0.0
+    assert format_reward("", "answer") == 0.0
+    assert format_reward(None, "answer") == 0.0
+
+
+STRICT_OK = "<think>\nreasoning\n</think>\n<answer>\n5\n</answer>"
+
+
+@pytest.mark.parametrize("text, strict, soft", [
+    (STRICT_OK, 1.0, 1.0),
+    (STRICT_OK + "\n", 1.0, 1.0),  # surrounding blank space ignored
+    ("<think>\n\n</think>\n<answer>\n\n</answer>", 1.0, 1.0),  # empty bodies, as the recipe regex
+    ("<think>\na\nb\n</think>\n<answer>\n5\n</answer>", 1.0, 1.0),
+    ("<think>reasoning</think><answer>5</answer>", 0.0, 1.0),  # no newlines
+    ("<think>\nr\n</think>\n\n<answer>\n5\n</answer>", 0.0, 1.0),  # extra blank line
+    ("Sure! " + STRICT_OK, 0.0, 1.0),  # text before
+    (STRICT_OK + " done", 0.0, 1.0),  # text after
+    (STRICT_OK.replace("reasoning", "<think>"), 0.0, 1.0),  # a tag twice
+    ("<answer>\n5\n</answer>\n<think>\nr\n</think>", 0.0, 0.0),  # wrong order
+    ("<think>\nr\n</think>\n5", 0.0, 0.0),  # no answer tags
+    ("<think>\n</think>\n<answer>\n5\n</answer>", 0.0, 1.0),  # one newline cannot serve twice
+    ("", 0.0, 0.0),
+])
+def test_format_think(text, strict, soft):
+    assert format_reward(text, "think") == strict
+    assert format_reward(text, "think-strict") == strict
+    assert format_reward(text, "think_strict") == strict
+    assert format_reward(text, "think-soft") == soft
+    # Agrees with the common recipe's regex whenever each tag occurs once.
+    if all(text.count(t) == 1 for t in ("<think>", "</think>", "<answer>", "</answer>")):
+        pattern = r"<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>"
+        assert (re.fullmatch(pattern, text.strip(), re.DOTALL) is not None) == (strict == 1.0)
+
+
+def test_format_unknown_style():
+    with pytest.raises(ValueError, match="format_style"):
+        format_reward("Answer: 5", "xml")
+
+
+# ---------------------------------------------------------------------------------------------
+# math_reward
+
+KEYS = {"correct", "accuracy", "format", "format_ok", "overlong", "ppl"}
+
+
+def test_math_reward_plain():
+    r, c = math_reward("Answer: 5", "5")
+    assert r == 1.0 and c == {"correct": 1.0, "accuracy": 1.0, "format": 0.0, "format_ok": 0.0,
+                              "overlong": 0.0, "ppl": 0.0}
+    r, c = math_reward("Answer: 6", "5")
+    assert r == -1.0 and c["correct"] == -1.0 and c["accuracy"] == 0.0  # DAPO eq. 7
+    r, c = math_reward("Answer: 6", "5", correct=1.0, wrong=0.0)
+    assert r == 0.0 and c["correct"] == 0.0
+
+
+def test_math_reward_all_terms():
+    r, c = math_reward("work\nAnswer: 5", "5", format_style="answer", format_weight=0.1,
+                       length=18, max_len=20, cache_len=5, mean_nll=2.25, ppl_threshold=2.0, ppl_window=0.5)
+    assert set(c) == KEYS
+    assert c["correct"] == 1.0 and c["accuracy"] == 1.0
+    assert c["format_ok"] == 1.0 and c["format"] == pytest.approx(0.1)
+    assert c["overlong"] == pytest.approx(-0.6) and c["ppl"] == pytest.approx(-0.5)
+    assert r == pytest.approx(1.0 + 0.1 - 0.6 - 0.5)
+    assert r == pytest.approx(c["correct"] + c["format"] + c["overlong"] + c["ppl"])
+
+
+def test_math_reward_terms_off_are_zero():
+    # length / mean_nll alone switch nothing on: the config arguments do.
+    r, c = math_reward("Answer: 5", "4", length=10_000, mean_nll=99.0)
+    assert set(c) == KEYS and r == -1.0
+    assert c["overlong"] == 0.0 and c["ppl"] == 0.0 and c["format"] == 0.0
+    _, c = math_reward("<think>\nx\n</think>\n<answer>\n5\n</answer>", "5", format_style="think")
+    assert c["format_ok"] == 1.0 and c["format"] == 0.0  # weight 0: logged, not added
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(max_len=20, cache_len=5), "length"),
+    (dict(length=10, max_len=20), "cache_len"),
+    (dict(length=10, cache_len=5), "max_len"),
+    (dict(length=10, max_len=20, cache_len=30), "cache_len"),
+    (dict(ppl_threshold=2.0, ppl_window=1.0), "mean_nll"),
+    (dict(mean_nll=2.0, ppl_threshold=2.0), "ppl_window"),
+    (dict(mean_nll=2.0, ppl_threshold=2.0, ppl_window=0.0), "window"),
+    (dict(format_style="xml"), "format_style"),
+    (dict(format_weight=float("nan")), "format_weight"),
+])
+def test_math_reward_validation(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        math_reward("Answer: 5", "5", **kwargs)
+
+
+def test_math_reward_hostile_response():
+    for response in [None, 12, b"Answer: 5", "{" * 5000, "\x00" * 100, "Answer: " + "9" * 10_000]:
+        r, c = math_reward(response, "5", format_style="think-soft", format_weight=0.5)
+        assert r == -1.0 and set(c) == KEYS
+
+
+# ---------------------------------------------------------------------------------------------
+# Safety: no code evaluation, standard library only
+
+
+def test_source_never_evaluates_text():
+    tree = ast.parse(pathlib.Path(rewards.__file__).read_text())
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert not names & {"eval", "exec", "compile", "__import__"}
+    imported = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            imported |= {a.name.split(".")[0] for a in n.names}
+        elif isinstance(n, ast.ImportFrom):
+            imported.add(n.module.split(".")[0])
+    assert imported <= {"__future__", "math", "re", "fractions", "decimal", "itertools", "unicodedata"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Real reference answers (../shared/data, when present: the project never depends on it)
+
+DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.mark.skipif(not (DATA / "math500" / "test.jsonl").exists(), reason="no ../shared/data/math500")
+def test_math500_reference_solutions_verify():
+    import json
+    rows = [json.loads(line) for line in (DATA / "math500" / "test.jsonl").open()]
+    wrong = [r["answer"] for r in rows if not is_correct(r["solution"], r["answer"])]
+    assert not wrong, wrong[:10]
+    # Neighbouring answers that differ must not match.
+    answers = [r["answer"] for r in rows]
+    clashes = [(a, b) for a, b in zip(answers, answers[1:])
+               if normalize_answer(a) != normalize_answer(b) and is_correct("Answer: " + a, b)]
+    assert not clashes, clashes[:10]
+
+
+@pytest.mark.skipif(not (DATA / "gsm8k" / "test.jsonl").exists(), reason="no ../shared/data/gsm8k")
+def test_gsm8k_reference_solutions_verify():
+    import json
+    rows = [json.loads(line) for line in (DATA / "gsm8k" / "test.jsonl").open()]
+    final = [r["answer"].split("####")[-1].strip() for r in rows]
+    assert all(is_correct(r["answer"], f) for r, f in zip(rows, final))
+    assert all(is_correct(f"So the total is ${f}.\nAnswer: {f}", r["answer"]) for r, f in zip(rows, final))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fuzz: 10,000 random and hostile strings, no exception, no slow call
+
+CALL_BUDGET_S = 0.020  # acceptance: no single call over 20 ms (the code takes a few ms at worst)
+TRUTHS = ["5", "-3", "1000", "\\frac{1}{2}", "(1,2)", "\\sqrt{3}", "x^2+1", "Sunday", "#### 7", 12, 0.5]
+PIECES = ["Answer:", "answer: ", "\\boxed{", "\\fbox{", "}", "{", "\\{", "\\}", "\\\\", "####", "\n",
+          "\\frac{", "\\dfrac", "\\sqrt", "\\text{", "\\left(", "\\right)", "^\\circ", "\\%", "$",
+          "1,000", "0.5", "-", "/", "e", "10^{", "x =", " cm", "<think>\n", "</think>", "<answer>",
+          "</answer>", "\u00b2", "\uff11", "\u0301", "\ufdfa", "\u03c0", "\u2212", "\x00", "\r"]
+
+
+def _hostile(rng: random.Random, blob: str) -> str:
+    kind = rng.randrange(20)
+    n = rng.choice([10, 100, 1_000, 5_000, 20_000])
+    if kind == 0:  # random printable + control characters
+        codes = [rng.choice([rng.randrange(32), rng.randrange(32, 127), rng.randrange(0x10000)])
+                 for _ in range(rng.randrange(300))]
+        return "".join(map(chr, codes))
+    if kind == 1:  # nested braces, thousands deep, balanced or not
+        return "\\boxed" + "{" * n + rng.choice(["1", ""]) + "}" * rng.choice([n, n // 2, 0])
+    if kind == 2:  # unbalanced braces
+        braces = "".join(rng.choice("{}\\") for _ in range(rng.randrange(2_000)))
+        return braces + "\\boxed{" * rng.randrange(50)
+    if kind == 3:  # 100 kB strings
+        return blob[rng.randrange(100):][:100_000] + rng.choice(["", "\nAnswer: 5", "\\boxed{5}"])
+    if kind == 4:  # numbers with 1,000+ digits (10^1000 and beyond)
+        zeros = "0" * rng.choice([1_000, 10_000, 100_000])
+        return rng.choice(["Answer: 1", "\\boxed{1", "#### 1", "x 1"]) + zeros
+    if kind == 5:
+        return rng.choice(["Answer: 2**1000000", "\\boxed{2**1000000}", "2**1000000", "2^{1000000}"])
+    if kind == 6:
+        return rng.choice(["Answer: 1e999999999", "1e999999999", "Answer: 1e-999999999", "1.5e99999"])
+    if kind == 7:  # huge fractions
+        return rng.choice(["Answer: \\frac{10^{9999}}{3}", "\\boxed{\\frac{" + "9" * 5_000 + "}{3}}",
+                           "Answer: " + "7" * 3_000 + "/" + "3" * 3_000])
+    if kind == 8:  # repeated Answer lines
+        return rng.choice(["Answer: 5\n", "Answer:\n", "Answer: Answer: ", "**Answer:** \\boxed{"]) * (n // 4)
+    if kind == 9:  # combining marks, 18x-expanding ligatures, superscripts, full width
+        full_width_answer = "\uff21\uff4e\uff53\uff57\uff45\uff52\uff1a"
+        return rng.choice(["a\u0316\u0301" * n, "\ufdfa" * n, "\u00b2a" * n, full_width_answer * (n // 7)])
+    if kind == 10:  # repeated markers that make naive regexes backtrack
+        return rng.choice(["#", " ", "\\", "^ ", "1,", ",000", "x_{", "\\text{", "=", "."]) * n
+    if kind == 11:  # deep \text{} and long unit tails inside an answer
+        deep = rng.choice(["\\text{" * 300 + "a" + "}" * 300, "5" + " cm" * 300, "(" * 400 + "," * 400])
+        return "Answer: " + deep
+    if kind == 12:
+        return "<think>\n" * (n // 8) + "\n</think>\n<answer>\n" * (n // 20) + "\n</answer>"
+    # random soup of the pieces the parsers look for
+    return "".join(rng.choice(PIECES) for _ in range(rng.randrange(1, 400)))
+
+
+def _timed(fn, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return time.perf_counter() - t0, out
+
+
+def test_fuzz_hostile_inputs():
+    """10,000 seeded random and hostile strings through extract_answer, is_correct, math_reward and
+    normalize_answer: nothing raises, results have the right types, and the slowest call is under
+    20 ms. A call over 2 ms is timed three more times and its fastest time kept, so a busy machine
+    (a context switch, a GC pause) cannot fail the test but a slow algorithm still does."""
+    rng = random.Random(1234)
+    blob = "".join(rng.choices("ab{}\\$ 0123456789.,\n^_#:Answerboxed", k=100_200))
+    worst = (0.0, "", "")
+    for i in range(10_000):
+        text = _hostile(rng, blob)
+        truth = rng.choice(TRUTHS) if i % 10 else _hostile(rng, blob)
+        calls = [
+            (extract_answer, (text,), {}),
+            (is_correct, (text, truth), {}),
+            (math_reward, (text, truth), dict(format_style=rng.choice(["answer", "think", "think-soft"]),
+                                              format_weight=0.5, length=18, max_len=20, cache_len=5,
+                                              mean_nll=2.2, ppl_threshold=2.0, ppl_window=0.5)),
+            (normalize_answer, (text[:rewards.MAX_ANSWER_CHARS],), {}),
+        ]
+        for fn, args, kwargs in calls:
+            dt, out = _timed(fn, *args, **kwargs)
+            if dt > CALL_BUDGET_S / 10:  # re-time slow calls: keep algorithmic cost, drop machine noise
+                dt = min([dt] + [_timed(fn, *args, **kwargs)[0] for _ in range(3)])
+            if dt > worst[0]:
+                worst = (dt, fn.__name__, repr(text[:60]))
+            if fn is extract_answer:
+                assert out is None or isinstance(out, str)
+            elif fn is is_correct:
+                assert type(out) is bool
+            elif fn is math_reward:
+                reward, comps = out
+                assert math.isfinite(reward) and set(comps) == KEYS
+    print(f"\nfuzz: slowest call {worst[0] * 1e3:.2f} ms ({worst[1]} on {worst[2]})")
+    assert worst[0] < CALL_BUDGET_S, f"slowest call {worst[0] * 1e3:.2f} ms: {worst[1]} on {worst[2]}"
