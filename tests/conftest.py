@@ -1,0 +1,147 @@
+"""Shared test helpers: tiny random transformers checkpoints of every supported family, and the
+bundled SmolLM2-135M-Instruct loaded once per session.
+
+    tiny_checkpoint(family, directory) -> directory     # config + safetensors + tokenizer
+    tiny_ckpt(family)                                    # fixture: the same, built once per session
+    smollm2                                              # fixture: (model, tokenizer), float32
+
+Every tiny weight is random, norms and biases included (transformers initialises norms to ones
+and biases to zeros, which would hide a missed norm or bias).
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+SPECIAL = ["<unk>", "<pad>", "<s>", "</s>"]  # ids 0, 1, 2, 3
+PAD_ID, BOS_ID, EOS_ID = 1, 2, 3
+
+# hidden 64, 2-3 layers, 4 heads, 2 KV heads, intermediate 128.
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=256, rms_norm_eps=1e-5, pad_token_id=PAD_ID,
+               bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+
+
+def tiny_config(family: str, **overrides):
+    """A transformers config for one family: what each family adds to plain Llama."""
+    import transformers as tf
+    if family == "llama":  # Llama 2 / SmolLM2: tied embeddings, plain rotary
+        cfg = tf.LlamaConfig(**_COMMON, num_hidden_layers=2, vocab_size=128,
+                             tie_word_embeddings=True, rope_theta=10000.0)
+    elif family == "llama3":  # Llama 3.x: frequency-scaled rotary, untied head
+        # head_dim 16: wavelengths 6.3, 20, 63, 199, ... against original length 64 put one
+        # frequency in each of the kept / blended / scaled bands.
+        cfg = tf.LlamaConfig(**_COMMON, num_hidden_layers=3, vocab_size=160,
+                             tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                                              "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 64})
+    elif family == "mistral":
+        cfg = tf.MistralConfig(**_COMMON, num_hidden_layers=2, vocab_size=144,
+                               tie_word_embeddings=False, rope_theta=1e6)
+    elif family == "qwen2":  # q/k/v biases
+        cfg = tf.Qwen2Config(**_COMMON, num_hidden_layers=2, vocab_size=192,
+                             tie_word_embeddings=True, rope_theta=1e6)
+    elif family == "qwen3":  # per-head q/k RMSNorm; head_dim 32 != hidden / heads = 16
+        cfg = tf.Qwen3Config(**_COMMON, num_hidden_layers=2, vocab_size=256, head_dim=32,
+                             tie_word_embeddings=False, rope_theta=1e6)
+    else:
+        raise ValueError(family)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def randomise_(model, seed=0):
+    """Every parameter random and O(1)-scaled, so that each one visibly moves the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied weights appear once
+            if "norm" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))  # around 1, never exactly 1
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif "embed" in name or "lm_head" in name:
+                p.copy_(0.25 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+    return model
+
+
+def tiny_tokenizer(vocab_size: int):
+    """A word-level tokenizer built offline: "<unk> <pad> <s> </s> t4 t5 ..." (one id per word)."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
+    vocab.update({f"t{i}": i for i in range(len(SPECIAL), vocab_size)})
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                   bos_token="<s>", eos_token="</s>")
+
+
+def tiny_checkpoint(family: str, directory, *, seed=0, max_shard_size=None, **overrides) -> str:
+    """Writes a random tiny `family` checkpoint (config, safetensors, tokenizer) into directory."""
+    from transformers import AutoModelForCausalLM
+    cfg = tiny_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = randomise_(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), seed)
+    directory = str(directory)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, **kwargs)
+    tiny_tokenizer(cfg.vocab_size).save_pretrained(directory)
+    return directory
+
+
+def hf_model(directory, **kwargs):
+    """transformers' own float32 model of a checkpoint directory, in eval mode."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32,
+                                                **kwargs).eval()
+
+
+def random_ids(batch, length, vocab, seed=0):
+    """Token ids that avoid the special ids (so no row contains pad or eos by accident)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(len(SPECIAL), vocab, (batch, length), generator=g)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """tiny_ckpt(family) -> directory of that family's tiny checkpoint, built once per session.
+    Read-only: tests that damage a checkpoint build their own with tiny_checkpoint."""
+    built = {}
+
+    def get(family):
+        if family not in built:
+            built[family] = tiny_checkpoint(family, tmp_path_factory.mktemp(f"tiny-{family}"))
+        return built[family]
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The bundled SmolLM2-135M-Instruct, (model, tokenizer) in float32 on CPU; loaded once (the
+    first load of a fresh machine converts the GGUF into the cache, ~25 s)."""
+    from model import load_model
+    model, tokenizer = load_model(None, dtype=torch.float32, device="cpu")
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2):
+    """The converted cache directory of the bundled model (safetensors + config + tokenizer)."""
+    from model import bundled_gguf_path, cache_root
+    gguf = bundled_gguf_path()
+    stem = os.path.basename(gguf)[:-len(".gguf")]
+    path = os.path.join(cache_root(), f"{stem}-{os.stat(gguf).st_size}")
+    assert os.path.exists(os.path.join(path, "config.json")), path
+    return path

