@@ -362,7 +362,7 @@ def token_logprobs(model: Transformer, input_ids, attention_mask=None, *, start=
         raise ValueError(f"token_logprobs: start={start} outside [1, {input_ids.shape[1]})")
     hidden = model(input_ids, attention_mask, return_hidden=True)[:, start - 1:-1]  # (B, T-start, C)
     targets = input_ids[:, start:]  # (B, T-start)
-    weight = model.output.weight
+    weight = getattr(model, "module", model).output.weight  # (a DDP wrapper has .module)
     out_logp, out_ent = [], []
     for s in range(0, hidden.shape[1], chunk_size):
         h, tgt = hidden[:, s:s + chunk_size], targets[:, s:s + chunk_size]

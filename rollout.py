@@ -98,7 +98,8 @@ def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_
 @torch.no_grad()
 def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, temperature=1.0,
              top_p=1.0, top_k=0, stop_token_ids=(), seed=0, compact_fraction=0.25):
-    """prompts: list of token-id lists; num_samples: int, or one int per prompt.
+    """prompts: list of token-id lists; num_samples: int, or one int per prompt; seed: int, or one
+    int per prompt.
 
     -> list[Completion], prompt-major. The same seed gives the same samples.
     """
@@ -126,11 +127,18 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     stopped = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
     stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     active = torch.arange(B, device=device)  # rows still in the batch (some may have stopped)
-    generator = torch.Generator(device=device).manual_seed(seed)
+    # One generator per prompt, drawing one uniform per sample row per step: a prompt's samples
+    # depend only on its own seed, not on what else is in the batch (so a run's samples do not
+    # depend on how prompts are split over ranks or batches, nor on dropping finished rows).
+    seeds = [seed * 1_000_003 + i for i in range(len(prompts))] if isinstance(seed, int) else list(seed)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"generate: seed must be an int or one int per prompt, got {seed!r}")
+    generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
     # 2. Decode: one token per row per step.
     for step in range(max_new_tokens):
-        uniforms = torch.rand(B, generator=generator, device=device)[active]  # (b,)
+        uniforms = torch.cat([torch.rand(c, generator=g, device=device)
+                              for g, c in zip(generators, counts)])[active]  # (b,)
         tokens, logp = sample_tokens(logits, uniforms, temperature, top_p, top_k)  # (b,), (b,)
         running = ~stopped[active]  # (b,) rows whose token counts
         out_tokens[active, step] = torch.where(running, tokens, 0)

@@ -168,19 +168,18 @@ def build_parser():
 def parse_config(argv=None):
     """Flags < preset < explicit flags. Without any flag: the CPU-scaled dapo preset."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     preset = dict(dapo.PRESETS[args.preset])
-    explicit = {a.dest for a in parser._actions
-                if any(opt in (argv if argv is not None else sys.argv[1:]) for opt in a.option_strings)}
-    explicit |= {a.dest for a in parser._actions for opt in a.option_strings
-                 if any(x.startswith(opt + "=") for x in (argv if argv is not None else sys.argv[1:]))}
+    explicit = {a.dest for a in parser._actions for opt in a.option_strings
+                if any(x == opt or x.startswith(opt + "=") for x in argv)}
     if args.model is None and args.preset == "dapo" and not args.resume:
         preset.update(CPU_DEFAULTS)  # the offline default run (see CPU_DEFAULTS)
     for key, value in preset.items():
         if key not in explicit:
             setattr(args, key, value)
     check_config(args, parser)
-    return args
+    return args, explicit
 
 
 def check_config(args, parser):
@@ -225,12 +224,12 @@ def all_reduce(tensor, op=None):
 
 # ----------------------------------------------------------------------------- rollout + reward
 
-def sample_groups(policy, tokenizer, records, args, stop_ids, seed, num_samples):
+def sample_groups(policy, tokenizer, records, args, stop_ids, seeds, num_samples):
     """Samples `num_samples[i]` completions of records[i] and scores them. -> list of groups."""
     prompts = [data.format_prompt(r, tokenizer, args.template) for r in records]
     completions = generate(policy, prompts, num_samples=num_samples,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           top_p=args.top_p, stop_token_ids=stop_ids, seed=seed)
+                           top_p=args.top_p, stop_token_ids=stop_ids, seed=seeds)
     cache_len = args.overlong_cache if args.overlong_cache < args.max_new_tokens \
         else max(1, args.max_new_tokens // 5)  # DAPO's 4096 of 20480, scaled to the budget
     groups, start = [], 0
@@ -296,8 +295,7 @@ def policy_logprobs(model, ids, attn, P, args, with_entropy=False):
 def completion_logits(model, ids, attn, P, args):
     """(B, C, V) logits at completion positions, for GKL (its own chunking bounds memory)."""
     hidden = model(ids, attn, return_hidden=True)[:, P - 1:-1]  # (B, C, H)
-    return F.linear(hidden, model.output.weight if hasattr(model, "output")
-                    else model.module.output.weight).float()
+    return F.linear(hidden, getattr(model, "module", model).output.weight).float()
 
 
 def split_micro_batches(rows, size, num):
@@ -368,7 +366,7 @@ def pg_update(model, ref_forward, optimizer, scheduler, samples, args, world, au
             step_loss += loss.detach()
             weight = mask.sum()
             for key, value in {**st, "entropy": (ent[:, :mask.shape[1]] * mask).sum() / weight.clamp(min=1)}.items():
-                stats_sum[key] = stats_sum.get(key, 0.0) + float(value) * float(weight)
+                stats_sum[key] = stats_sum.get(key, 0.0) + float(value.detach() if torch.is_tensor(value) else value) * float(weight)
             stats_sum["_tokens"] = stats_sum.get("_tokens", 0.0) + float(weight)
             if mb and args.mini_batches == 1:
                 for j, i in enumerate(mb):  # on-policy: these are the old log-probs
@@ -479,6 +477,27 @@ def set_rng_state(state):
 
 # ----------------------------------------------------------------------------- main
 
+def load_data(args, tokenizer, context):
+    """-> (training source: ArithmeticTask or records, held-out records or None), all checked."""
+    max_prompt = context - args.max_new_tokens
+    if max_prompt < 1:
+        raise data.DataError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt "
+                             f"in the model's context of {context}")
+    heldout = None
+    if str(args.data).startswith("arithmetic"):
+        source = data.ArithmeticTask.from_spec(args.data)
+        if args.eval_data is None:
+            heldout = source.heldout(args.eval_limit)
+    else:
+        source = data.load_records(args.data, tokenizer=tokenizer, template=args.template,
+                                   max_prompt_tokens=max_prompt)
+    if args.eval_data:
+        heldout = data.load_records(args.eval_data, split="test", limit=args.eval_limit,
+                                    tokenizer=tokenizer, template=args.template,
+                                    max_prompt_tokens=max_prompt)
+    return source, heldout
+
+
 def evaluate_heldout(policy, tokenizer, records, args, stop_ids):
     import eval as evaluation
     summary, _ = evaluation.evaluate(policy, tokenizer, records, k=1, temperature=0.0,
@@ -488,13 +507,14 @@ def evaluate_heldout(policy, tokenizer, records, args, stop_ids):
 
 
 def main(argv=None):
-    args = parse_config(argv)
+    args, explicit = parse_config(argv)
     rank, world, device = setup_distributed()
     args.device = device
     if args.resume:
         with open(os.path.join(args.resume, "config.json")) as f:
             saved = json.load(f)
-        keep = {"resume": args.resume, "steps": args.steps, "time_limit": args.time_limit}
+        # The saved config wins, except what this command line sets explicitly (e.g. --steps).
+        keep = {k: getattr(args, k) for k in explicit | {"resume"}}
         for key, value in saved.items():
             setattr(args, key, value)
         args.__dict__.update(keep)
@@ -508,7 +528,10 @@ def main(argv=None):
 
     use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and (
         device.type == "cuda" or cpu_has_bf16()))
-    model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
+    try:
+        model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
+    except (OSError, ValueError) as e:
+        sys.exit(f"train.py: --model: {e}")
     model.train()
     model.gradient_checkpointing = args.activation_checkpointing
     if args.lora_rank:
@@ -519,19 +542,13 @@ def main(argv=None):
     stop_ids = evaluation.stop_token_ids(tokenizer)
 
     # Data: validated in full before any training.
-    if str(args.data).startswith("arithmetic"):
-        source = data.ArithmeticTask.from_spec(args.data)
-        heldout = source.heldout(args.eval_limit) if args.eval_data is None else None
-    else:
-        source = data.load_records(args.data, tokenizer=tokenizer, template=args.template,
-                                   max_prompt_tokens=model.config.max_seq_len - args.max_new_tokens)
-        heldout = None
-    if args.eval_data:
-        heldout = data.load_records(args.eval_data, split="test", limit=args.eval_limit,
-                                    tokenizer=tokenizer, template=args.template,
-                                    max_prompt_tokens=model.config.max_seq_len - args.max_new_tokens)
+    try:
+        source, heldout = load_data(args, tokenizer, model.config.max_seq_len)
+    except data.DataError as e:
+        sys.exit(f"train.py: --data: {e}")
     stream = data.PromptStream(source, args.prompts_per_step, seed=args.seed, rank=rank,
                                world_size=world)
+
 
     # Reference policy (KL, GKL, DPO): a frozen copy, or the same weights with LoRA off.
     ref_model = None
@@ -633,8 +650,11 @@ def main(argv=None):
             else:
                 counts = [args.samples] * len(records)
             ts = time.perf_counter()
-            seed = hash((args.seed, step, round_index, rank)) % (2**31)
-            groups = sample_groups(policy, tokenizer, records, args, stop_ids, seed, counts)
+            # A seed per prompt from its global position: samples do not depend on world size.
+            first = stream.step * args.prompts_per_step + rank * per_rank
+            seeds = [random.Random(f"{args.seed}:{step}:{round_index}:{first + i}").getrandbits(62)
+                     for i in range(len(records))]
+            groups = sample_groups(policy, tokenizer, records, args, stop_ids, seeds, counts)
             timing["rollout"] += time.perf_counter() - ts
             gen_tokens[0] += sum(len(c.tokens) for g in groups for c in g["completions"])
             for g in groups:
@@ -732,6 +752,10 @@ def main(argv=None):
                              sum(p.get("ppl", 0.0) for p in all_c),
                              sum(p.get("efficiency", 0.0) for p in all_c)], dtype=torch.float64)
         all_reduce(sums)
+        kept_per_rank = [len(groups)]
+        if world > 1:
+            kept_per_rank = [None] * world
+            dist.all_gather_object(kept_per_rank, len(groups))
         n = max(1.0, float(sums[0]))
         train_acc = float(sums[1]) / n
         train_acc_ema = train_acc if train_acc_ema is None else 0.8 * train_acc_ema + 0.2 * train_acc
@@ -749,7 +773,7 @@ def main(argv=None):
             "reward_ppl": float(sums[14]) / n, "reward_efficiency": float(sums[15]) / n,
             "response_length": float(sums[3]) / n, "truncated": float(sums[4]) / n,
             "groups_sampled": int(sums[11]), "groups_kept": int(sums[5]),
-            "groups_missing": int(sums[6]), "rounds": report.get("rounds", 1),
+            "groups_missing": int(sums[6]), "groups_kept_per_rank": kept_per_rank, "rounds": report.get("rounds", 1),
             "sampler_trainer_mismatch": float(sums[8]) / max(1.0, float(sums[7])),
             **{k: v for k, v in upd.items()},
             "skipped_updates_total": counters["skipped_updates"],

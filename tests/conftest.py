@@ -6,7 +6,9 @@ bundled SmolLM2-135M-Instruct loaded once per session.
     smollm2                                              # fixture: (model, tokenizer), float32
 
 Every tiny weight is random, norms and biases included (transformers initialises norms to ones
-and biases to zeros, which would hide a missed norm or bias).
+and biases to zeros, which would hide a missed norm or bias). The tiny tokenizer is word-level
+("t5 t6 </s>" -> [5, 6, 3]); for a qwen2 checkpoint transformers' AutoTokenizer substitutes its
+own Qwen2Tokenizer class, which does not tokenize that text sensibly, so tests pass token ids.
 """
 
 import os
@@ -137,11 +139,13 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(smollm2):
-    """The converted cache directory of the bundled model (safetensors + config + tokenizer)."""
-    from model import bundled_gguf_path, cache_root
+def smollm2_dir(smollm2, tmp_path_factory):
+    """A checkpoint directory of the bundled model's weights that transformers can load: the
+    converted cache directory, or (if its naming changes) a fresh save_model copy."""
+    from model import bundled_gguf_path, cache_root, save_model
     gguf = bundled_gguf_path()
     stem = os.path.basename(gguf)[:-len(".gguf")]
     path = os.path.join(cache_root(), f"{stem}-{os.stat(gguf).st_size}")
-    assert os.path.exists(os.path.join(path, "config.json")), path
-    return path
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    return save_model(smollm2[0], smollm2[1], str(tmp_path_factory.mktemp("smollm2") / "ckpt"))

@@ -4,7 +4,6 @@ saving (sharded, round trip, LoRA merged on save, clear errors), the KV cache, c
 log-probs and their gradients, LoRA."""
 
 import dataclasses
-import json
 import os
 import time
 
@@ -13,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import (EOS_ID, FAMILIES, PAD_ID, hf_model, random_ids, tiny_checkpoint,
-                      tiny_config)
+from conftest import EOS_ID, FAMILIES, PAD_ID, hf_model, random_ids, tiny_checkpoint
 import model as M
 from model import (KVCache, LoRALinear, add_lora, load_model, lora_disabled, merge_lora,
                    save_model, token_logprobs)

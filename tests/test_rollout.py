@@ -189,6 +189,19 @@ def test_seed(tiny):
     assert len({tuple(x.tokens) for x in a[:3]}) > 1
 
 
+def test_per_prompt_seed_makes_samples_independent_of_the_batch(tiny):
+    """A prompt's samples depend on its own seed only: alone, or beside others, same tokens.
+    (This is what makes a DDP run sample what one process samples.)"""
+    model = tiny("llama3")
+    p0, p1 = tiny_prompts(model.config.vocab_size, lengths=(7, 12))
+    kw = dict(num_samples=3, max_new_tokens=12, temperature=1.0)
+    both = generate(model, [p0, p1], seed=[5, 6], **kw)
+    alone = generate(model, [p1], seed=[6], **kw)
+    assert tokens_of(both[3:]) == tokens_of(alone)
+    with pytest.raises(ValueError, match="seed"):
+        generate(model, [p0, p1], seed=[5], **kw)
+
+
 def test_prompt_major_order(tiny):
     model = tiny("mistral")
     prompts = tiny_prompts(model.config.vocab_size, lengths=(5, 9, 2))

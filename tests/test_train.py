@@ -1,0 +1,241 @@
+"""train.py end to end on a tiny random model: smoke run, exact resume after SIGKILL, DDP (gloo)
+equal to one process, bad data rejected before training, non-finite updates skipped, --help."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DIGITS = [str(d) for d in range(10)]
+WORDS = ["What", "is", "+", "?", "Question:", "Answer:", "the", "sum"]
+
+
+def digit_checkpoint(directory, seed=0):
+    """A random 2-layer Llama whose word-level vocabulary has the digits, so that a sampled
+    answer is sometimes right and groups carry signal."""
+    import tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    special = ["<unk>", "<pad>", "<s>", "</s>"]
+    vocab = {w: i for i, w in enumerate(special + DIGITS + WORDS)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                        bos_token="<s>", eos_token="</s>")
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, bos_token_id=2, eos_token_id=3, pad_token_id=1,
+                      tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def digit_data(path, n=16, extra=None):
+    rows = [{"prompt": f"What is {a} + {b} ?", "answer": str((a + b) % 10), "id": f"q{i}"}
+            for i, (a, b) in enumerate((i % 5, (3 * i) % 5) for i in range(n))]
+    if extra:
+        rows.append(extra)
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    return digit_checkpoint(d / "model"), digit_data(d / "train.jsonl")
+
+
+BASE = ["--prompts-per-step", "4", "--samples", "4", "--max-new-tokens", "3", "--lr", "1e-3",
+        "--warmup-steps", "1", "--temperature", "1.0", "--micro-batch-size", "3",
+        "--overlong-cache", "1", "--time-limit", "0"]
+
+
+def run_train(args, env_extra=None, check=True, launcher=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
+    cmd = (launcher or [sys.executable]) + [str(ROOT / "train.py")] + args
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(l) for l in f]
+    for r in rows:  # timings differ between runs; everything else must not
+        for k in [k for k in r if k.startswith(("seconds", "tokens_per_second", "train_seconds"))]:
+            del r[k]
+    return rows
+
+
+def weights(run_dir):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(run_dir, "final", "model.safetensors"))
+
+
+def test_smoke_run_writes_everything(tiny, tmp_path):
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    run_train(["--model", model_dir, "--data", data_file, "--steps", "3", "--out", str(out)] + BASE)
+    assert {"config.json", "metrics.jsonl", "checkpoint.pt", "final"} <= set(os.listdir(out))
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in ("reward", "accuracy", "groups_kept", "clip_frac_high", "entropy", "grad_norm",
+                "sampler_trainer_mismatch", "response_length"):
+        assert key in rows[0]
+    # The sampler's log-probs are the trainer's (same weights, same temperature): tiny mismatch.
+    assert all(r["sampler_trainer_mismatch"] < 1e-4 for r in rows)
+    # The final model loads in transformers and differs from the start (it trained).
+    from transformers import AutoModelForCausalLM
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    start = AutoModelForCausalLM.from_pretrained(model_dir)
+    diff = max((a - b).abs().max().item() for a, b in zip(final.parameters(), start.parameters()))
+    assert diff > 0
+    # An existing run directory is never overwritten.
+    again = run_train(["--model", model_dir, "--data", data_file, "--out", str(out)] + BASE,
+                      check=False)
+    assert again.returncode != 0 and "already exists" in again.stderr
+
+
+def test_every_preset_parses_and_flags_override():
+    import dapo
+    import train
+    for name in dapo.PRESETS:
+        args, _ = train.parse_config(["--preset", name, "--model", "x"])
+        for key, value in dapo.PRESETS[name].items():
+            assert getattr(args, key) == value, (name, key)
+    args, explicit = train.parse_config(["--preset", "grpo", "--model", "x", "--kl-coef", "0.5"])
+    assert args.kl == "k3" and args.kl_coef == 0.5 and explicit == {"preset", "model", "kl_coef"}
+    default, _ = train.parse_config([])
+    assert default.lr == train.CPU_DEFAULTS["lr"] and default.dynamic_sampling
+
+
+def test_help_documents_every_flag():
+    import train
+    for action in train.build_parser()._actions:
+        assert action.help, action.option_strings
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 0 and "--dynamic-sampling" in out.stdout
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_is_bit_identical(tiny, tmp_path):
+    model_dir, data_file = tiny
+    common = ["--model", model_dir, "--data", data_file, "--steps", "5", "--dynamic-sampling",
+              "--max-refills", "1"] + BASE
+    straight = tmp_path / "straight"
+    run_train(common + ["--out", str(straight)])
+
+    killed = tmp_path / "killed"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py")] + common + ["--out", str(killed)],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # kill it once it has checkpointed at least two steps
+        if (killed / "checkpoint.pt").exists() and (killed / "metrics.jsonl").exists() and \
+                len((killed / "metrics.jsonl").read_text().splitlines()) >= 2:
+            break
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "final").exists(), "the run finished before it could be killed"
+    run_train(["--resume", str(killed)])
+
+    a, b = weights(straight), weights(killed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert metrics(straight) == metrics(killed)
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_equal_one_process(tiny, tmp_path):
+    """One update on the same global batch: torchrun with 2 gloo ranks vs 1 process."""
+    model_dir, data_file = tiny
+    common = ["--model", model_dir, "--data", data_file, "--steps", "1", "--dynamic-sampling",
+              "--max-refills", "0", "--prompts-per-step", "8", "--seed", "3",
+              ] + BASE[2:]
+    one = tmp_path / "one"
+    run_train(common + ["--out", str(one)])
+    two = tmp_path / "two"
+    run_train(common + ["--out", str(two)],
+              launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_port", str(29500 + os.getpid() % 1000)])
+    m1, m2 = metrics(one)[0], metrics(two)[0]
+    assert m1["groups_kept"] == m2["groups_kept"] > 0
+    kept = m2["groups_kept_per_rank"]
+    assert kept[0] != kept[1], f"want uneven kept groups per rank to test padding, got {kept}"
+    a, b = weights(one), weights(two)
+    start = weights_from(model_dir)
+    assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-4  # the update is not trivial
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), (k, (a[k] - b[k]).abs().max())
+
+
+def weights_from(model_dir):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(model_dir, "model.safetensors"))
+
+
+@pytest.mark.parametrize("row, field", [
+    ({"prompt": "What is 1 + 1 ?", "id": "x"}, "answer"),                 # missing field
+    ({"prompt": "What is 1 + 1 ?", "answer": ["2"], "id": "x"}, "answer"),  # wrong type
+    ({"prompt": "   ", "answer": "2", "id": "x"}, "prompt"),                # empty prompt
+    ({"prompt": " ".join(["What"] * 200), "answer": "2", "id": "x"}, "prompt"),  # overlong
+])
+def test_bad_data_fails_before_training(tiny, tmp_path, row, field):
+    model_dir, _ = tiny
+    bad = digit_data(tmp_path / "bad.jsonl", n=5, extra=row)
+    out = tmp_path / "run"
+    proc = run_train(["--model", model_dir, "--data", bad, "--out", str(out)] + BASE, check=False)
+    assert proc.returncode != 0
+    assert "bad.jsonl" in proc.stderr and "row 6" in proc.stderr and field in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_nonfinite_update_is_skipped(tiny):
+    import argparse
+    import train
+    from model import load_model
+    model_dir, _ = tiny
+    model, _ = load_model(model_dir)
+    model.train()
+    args = argparse.Namespace(device=torch.device("cpu"), mini_batches=1, micro_batch_size=4,
+                              overlong_filter=False, max_new_tokens=3, eps_low=0.2, eps_high=0.28,
+                              clip_c=None, loss_agg="token-mean", entropy_coef=0.0, kl="none",
+                              temperature=1.0, grad_clip=1.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    samples = {"prompt": [[2, 4, 5], [2, 6]], "tokens": [[7, 8], [9]],
+               "advantage": [float("nan"), 1.0], "group_id": [0, 0], "truncated": [False, False],
+               "sampler_logp": [[0.0, 0.0], [0.0]], "old_logp": [None, None]}
+    out = train.pg_update(model, None, opt, sched, samples, args, 1, lambda: torch.autocast("cpu", enabled=False))
+    assert out["skipped_updates"] == 1
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not opt.state  # the optimizer never stepped
+    samples["advantage"] = [1.0, -1.0]
+    out = train.pg_update(model, None, opt, sched, samples, args, 1, lambda: torch.autocast("cpu", enabled=False))
+    assert out["skipped_updates"] == 0
+    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
