@@ -335,46 +335,101 @@ class Transformer(nn.Module):
 
 # ----------------------------------------------------------------------------- log-probs in chunks
 
-def _chunk_logprobs(hidden, head_weight, targets, temperature, with_entropy):
-    logits = F.linear(hidden, head_weight).float() / temperature  # (B, c, V) float32
-    logz = torch.logsumexp(logits, dim=-1)  # (B, c)
-    logp = logits.gather(-1, targets[..., None]).squeeze(-1) - logz  # (B, c)
-    if not with_entropy:
-        return logp, torch.zeros_like(logp)
+class _TokenLogprobs(torch.autograd.Function):
+    """log p(target) = z[target] - logsumexp(z), z = h W^T / temperature, in row chunks.
+
+    Forward keeps only the log-normaliser per row; backward recomputes each chunk's logits and
+    writes the gradient dlogp/dz = onehot(target) - softmax(z) in place, so neither pass ever
+    holds more than one (rows, V) chunk. Three vocabulary matrix products per chunk in all (one
+    forward, two backward) plus one recompute: the price of never storing (N, V).
+    Entropy, when asked for, is returned as a value only (no gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_rows, with_entropy):
+        # hidden (N, C), weight (V, C), targets (N,)
+        compute = hidden.dtype  # under autocast the body's output dtype (e.g. bf16)
+        N = hidden.shape[0]
+        logp = torch.empty(N, dtype=torch.float32, device=hidden.device)  # (N,)
+        lse = torch.empty(N, dtype=torch.float32, device=hidden.device)  # (N,)
+        ent = torch.zeros(N if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        for s in range(0, N, chunk_rows):
+            z = F.linear(hidden[s:s + chunk_rows], weight.to(compute)).float()  # (n, V)
+            if temperature != 1.0:
+                z.div_(temperature)
+            lse[s:s + chunk_rows] = torch.logsumexp(z, dim=-1)
+            logp[s:s + chunk_rows] = z.gather(-1, targets[s:s + chunk_rows, None]).squeeze(-1) \
+                - lse[s:s + chunk_rows]
+            if with_entropy:  # H = log Z - E_p[z]
+                p = torch.exp(z - lse[s:s + chunk_rows, None])
+                ent[s:s + chunk_rows] = lse[s:s + chunk_rows] - (p * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_ent):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        compute = hidden.dtype
+        w = weight.to(compute)
+        grad_hidden = torch.empty_like(hidden)  # (N, C)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for s in range(0, hidden.shape[0], ctx.chunk_rows):
+            h = hidden[s:s + ctx.chunk_rows]
+            g = grad_logp[s:s + ctx.chunk_rows].float()  # (n,)
+            z = F.linear(h, w).float()  # (n, V) recomputed
+            if ctx.temperature != 1.0:
+                z.div_(ctx.temperature)
+            dz = z.sub_(lse[s:s + ctx.chunk_rows, None]).exp_().mul_(-g[:, None])  # -g p
+            dz.scatter_add_(-1, targets[s:s + ctx.chunk_rows, None], g[:, None])  # + g onehot
+            if ctx.temperature != 1.0:
+                dz.div_(ctx.temperature)
+            dz = dz.to(compute)
+            grad_hidden[s:s + ctx.chunk_rows] = dz @ w  # (n, C)
+            grad_weight += (dz.t() @ h).float()  # (V, C)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def _chunk_logprobs(hidden, head_weight, targets, temperature):
+    """The same as _TokenLogprobs, differentiable in the entropy too (autograd, checkpointed)."""
+    logits = F.linear(hidden, head_weight.to(hidden.dtype)).float() / temperature  # (n, V)
+    logz = torch.logsumexp(logits, dim=-1)  # (n,)
+    logp = logits.gather(-1, targets[..., None]).squeeze(-1) - logz  # (n,)
     probs = torch.softmax(logits, dim=-1)
-    ent = logz - (probs * logits).sum(-1)  # H = log Z - E_p[logit]
-    return logp, ent
+    return logp, logz - (probs * logits).sum(-1)  # H = log Z - E_p[logit]
 
 
 def token_logprobs(model: Transformer, input_ids, attention_mask=None, *, start=1,
-                   temperature=1.0, chunk_size=64, with_entropy=False):
+                   temperature=1.0, chunk_size=64, with_entropy=False, entropy_grad=False):
     """Log-prob of each token from `start` on: logp[:, j] = log p(ids[:, start+j] | ids[:, :start+j]).
 
-    input_ids (B, T) -> logp (B, T-start) float32 (and the entropy of each of those predictive
-    distributions with with_entropy). start=1 scores every token after the first; a trainer passes
-    the prompt length so the vocabulary projection runs on completion positions only.
-    The vocabulary projection runs `chunk_size` positions at a time and, under autograd, is
-    recomputed in backward (activation checkpointing), so neither the (B, T, V) logits nor their
-    log-softmax ever exist in full: peak extra memory is ~B * chunk_size * V floats.
-    `temperature` divides the logits, matching the distribution the sampler drew from.
+    input_ids (B, T) -> logp (B, T-start) float32, and with with_entropy the entropy of each of
+    those predictive distributions (a gradient flows through it only with entropy_grad, for an
+    entropy bonus). start=1 scores every token after the first; a trainer passes the prompt
+    length so the vocabulary projection runs on completion positions only.
+    The vocabulary projection runs on B * chunk_size rows at a time, in forward and (recomputed)
+    in backward, so neither the (B, T, V) logits nor their log-softmax ever exist in full: peak
+    extra memory is ~B * chunk_size * V floats. `temperature` divides the logits, matching the
+    distribution the sampler drew from.
     """
     if not 1 <= start < input_ids.shape[1]:
         raise ValueError(f"token_logprobs: start={start} outside [1, {input_ids.shape[1]})")
     hidden = model(input_ids, attention_mask, return_hidden=True)[:, start - 1:-1]  # (B, T-start, C)
     targets = input_ids[:, start:]  # (B, T-start)
     weight = getattr(model, "module", model).output.weight  # (a DDP wrapper has .module)
-    out_logp, out_ent = [], []
-    for s in range(0, hidden.shape[1], chunk_size):
-        h, tgt = hidden[:, s:s + chunk_size], targets[:, s:s + chunk_size]
-        if torch.is_grad_enabled():
-            lp, en = checkpoint(_chunk_logprobs, h, weight, tgt, temperature, with_entropy,
-                                use_reentrant=False)
-        else:
-            lp, en = _chunk_logprobs(h, weight, tgt, temperature, with_entropy)
-        out_logp.append(lp)
-        out_ent.append(en)
-    logp = torch.cat(out_logp, dim=1)  # (B, T-start)
-    return (logp, torch.cat(out_ent, dim=1)) if with_entropy else logp
+    B, T = targets.shape
+    if entropy_grad and torch.is_grad_enabled():
+        flat_h, flat_t = hidden.reshape(B * T, -1), targets.reshape(-1)
+        rows = B * chunk_size
+        parts = [checkpoint(_chunk_logprobs, flat_h[s:s + rows], weight, flat_t[s:s + rows],
+                            temperature, use_reentrant=False) for s in range(0, B * T, rows)]
+        logp, ent = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    else:
+        logp, ent = _TokenLogprobs.apply(hidden.reshape(B * T, -1), weight, targets.reshape(-1),
+                                         temperature, B * chunk_size, with_entropy)
+    logp = logp.view(B, T)  # (B, T-start)
+    return (logp, ent.view(B, T)) if with_entropy else logp
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -676,3 +731,113 @@ def save_model(model: Transformer, tokenizer, out_dir: str):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+def _bench_logprob_memory(path: str, batch: int, length: int, chunked: bool):
+    """Runs in a fresh process: peak resident memory of one log-prob pass over the vocabulary."""
+    def peak_mib():  # the kernel's high-water mark of resident memory (VmHWM)
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
+
+    torch.manual_seed(0)
+    model, _ = load_model(None if path == "bundled" else path)
+    ids = torch.randint(0, model.config.vocab_size, (batch, length))
+    with torch.no_grad():
+        hidden = model(ids, return_hidden=True)  # (B, T, C): shared by both paths, not measured
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident size (Linux)
+        base = peak_mib()
+        if chunked:
+            logp = token_logprobs(model, ids)
+        else:  # the naive path: full (B, T, V) float32 logits, then their log-softmax
+            logits = model.output(hidden[:, :-1]).float()  # (B, T-1, V)
+            logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        peak = peak_mib()
+    return peak - base, logp  # MiB above the state before the pass
+
+
+def bench(args):
+    import multiprocessing as mp
+    import statistics
+    ctx = mp.get_context("spawn")
+    print(f"log-probs of B={args.batch} x T={args.length} tokens over the vocabulary "
+          "(peak memory above the model and its hidden states, each path in a fresh process):")
+    with ctx.Pool(1) as pool:
+        naive_mib, naive = pool.apply(_bench_logprob_memory, (args.model, args.batch, args.length, False))
+    with ctx.Pool(1) as pool:
+        chunk_mib, chunked = pool.apply(_bench_logprob_memory, (args.model, args.batch, args.length, True))
+    print(f"  naive full logits + log_softmax: {naive_mib:7.0f} MiB")
+    print(f"  token_logprobs (chunked):        {chunk_mib:7.0f} MiB   ({chunk_mib / naive_mib:.1%} of "
+          f"naive; max |difference| {(naive - chunked).abs().max().item():.1e})")
+
+    from transformers import AutoModelForCausalLM
+    import glob
+    model_dir = (sorted(glob.glob(os.path.join(cache_root(), "SmolLM2-135M-*")))[0]
+                 if args.model == "bundled" else args.model)
+    B, T = args.train_batch, args.train_length
+    torch.manual_seed(0)
+    ids = torch.randint(0, 49152, (B, T))
+    print(f"forward + backward + AdamW on {B} x {T} tokens (median of {args.repeats}, "
+          f"{torch.get_num_threads()} threads):")
+
+    def step_ours(model, opt, autocast):
+        with autocast:
+            logp = token_logprobs(model, ids)
+        (-logp.mean()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def step_hf(model, opt, autocast):
+        with autocast:
+            logits = model(ids).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])
+        (-logp.mean()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    precisions = [("float32", contextlib.nullcontext)]
+    if cpu_has_bf16():
+        precisions.append(("bf16 autocast", lambda: torch.autocast("cpu", dtype=torch.bfloat16)))
+    else:
+        print("  (bf16 autocast skipped: this CPU has no native bf16 matrix instructions)")
+    results = {}
+    for name, autocast in precisions:
+        ours, _ = load_model(None if args.model == "bundled" else args.model)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        ours.train(), hf.train()
+        runs = {"ours": (ours, step_ours), "transformers": (hf, step_hf)}
+        # fused AdamW for both: what train.py uses, and transformers' Trainer default
+        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-6, fused=True) for k, (m, _) in runs.items()}
+        times = {k: [] for k in runs}
+        for r in range(args.repeats + 1):  # alternate; the first round warms up
+            for k, (m, fn) in runs.items():
+                t = time.perf_counter()
+                fn(m, opts[k], autocast())
+                if r:
+                    times[k].append(time.perf_counter() - t)
+        for k in runs:
+            results[(name, k)] = B * T / statistics.median(times[k])
+        print(f"  {name:14s} ours {results[(name, 'ours')]:6.0f} tok/s   transformers "
+              f"{results[(name, 'transformers')]:6.0f} tok/s   ratio "
+              f"{results[(name, 'ours')] / results[(name, 'transformers')]:.2f}x")
+        del ours, hf, opts
+    if len(precisions) > 1:
+        print(f"  bf16 autocast / float32 (ours): "
+              f"{results[('bf16 autocast', 'ours')] / results[('float32', 'ours')]:.2f}x")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="model.py benchmark: log-prob memory and update speed")
+    parser.add_argument("--bench", action="store_true", help="run the benchmark")
+    parser.add_argument("--model", default="bundled", help="checkpoint dir (default: bundled SmolLM2)")
+    parser.add_argument("--batch", type=int, default=8, help="log-prob memory: rows")
+    parser.add_argument("--length", type=int, default=512, help="log-prob memory: tokens per row")
+    parser.add_argument("--train-batch", type=int, default=8, help="update speed: rows")
+    parser.add_argument("--train-length", type=int, default=256, help="update speed: tokens per row")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per model (median)")
+    cli = parser.parse_args()
+    if not cli.bench:
+        parser.error("nothing to do: pass --bench")
+    bench(cli)

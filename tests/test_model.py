@@ -396,19 +396,29 @@ def test_token_logprobs_gradient_and_checkpointing(tiny_ckpt, family):
     w_lp, w_ent = torch.randn(3, 22, generator=g), torch.randn(3, 22, generator=g)
     w_lp, w_ent = w_lp * mask[:, 1:], w_ent * mask[:, 1:]
 
-    def chunked():
+    def chunked():  # entropy with a gradient: the checkpointed autograd path
         lp, ent = token_logprobs(ours, ids, mask, temperature=0.7, chunk_size=5,
-                                 with_entropy=True)
+                                 with_entropy=True, entropy_grad=True)
         return (w_lp * lp).sum() + (w_ent * ent).sum()
 
     def direct():
         lp, ent = direct_logprobs(ours, ids, mask, 0.7)
         return (w_lp * lp).sum() + (w_ent * ent).sum()
 
-    want = _grads(ours, direct)
+    def chunked_logp():  # log-probs only: the hand-written backward (_TokenLogprobs)
+        lp, ent = token_logprobs(ours, ids, mask, temperature=0.7, chunk_size=5, with_entropy=True)
+        assert not ent.requires_grad
+        return (w_lp * lp).sum()
+
+    def direct_logp():
+        return (w_lp * direct_logprobs(ours, ids, mask, 0.7)[0]).sum()
+
+    want, want_logp = _grads(ours, direct), _grads(ours, direct_logp)
     _assert_same_grads(_grads(ours, chunked), want)
+    _assert_same_grads(_grads(ours, chunked_logp), want_logp)
     ours.gradient_checkpointing = True
     _assert_same_grads(_grads(ours, chunked), want)
+    _assert_same_grads(_grads(ours, chunked_logp), want_logp)
     _assert_same_grads(_grads(ours, direct), want)
 
 
