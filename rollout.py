@@ -235,7 +235,6 @@ def bench(args):
         print(f"{name:8s} ours {ours_tps:7.0f} tok/s   transformers {hf_tps:7.0f} tok/s   "
               f"ratio {ours_tps / hf_tps:4.2f}x   matmul-only bound {rows / bound:6.0f} tok/s "
               f"(ours at {ours_tps * bound / rows:4.0%} of it)")
-        del ours, hf
 
 
 def main():
