@@ -1,7 +1,7 @@
 """Train a language model with DAPO (or GRPO, Dr. GRPO, RLOO, REINFORCE-baseline, DPO) on math.
 
     python train.py                                   # the offline default: bundled SmolLM2-135M,
-                                                      # synthetic arithmetic, ~20 minutes on a CPU
+                                                      # synthetic arithmetic, ~25 minutes on a CPU
     python train.py --preset dapo --model Qwen/Qwen2.5-0.5B-Instruct --data gsm8k --max-new-tokens 1024
     torchrun --nproc_per_node 8 train.py --preset dapo --model Qwen/Qwen2.5-1.5B-Instruct \\
         --data dapo-math-17k --prompts-per-step 512 --samples 16 --mini-batches 16 --max-new-tokens 4096
@@ -329,7 +329,7 @@ def pg_update(model, ref_forward, optimizer, scheduler, samples, args, world, au
     """
     inner = getattr(model, "module", model)
     n = len(samples["prompt"])
-    stats_sum, skipped, grad_norms = {}, 0, []
+    stats_sum, skipped, empty, grad_norms = {}, 0, 0, []
     mini_size = math.ceil(n / args.mini_batches) if n else 0
     for m in range(args.mini_batches):
         rows = list(range(m * mini_size, min(n, (m + 1) * mini_size)))
@@ -354,6 +354,9 @@ def pg_update(model, ref_forward, optimizer, scheduler, samples, args, world, au
         # Global divisors of this mini-batch: summed over micro-batches, all-reduced over ranks.
         divisors = losses.micro_batch_divisors(masks, gids, max_tokens=args.max_new_tokens,
                                                distributed=dist.is_initialized())
+        if int(divisors[0]["num_tokens"]) == 0:  # no loss token on any rank: nothing to learn
+            empty += 1
+            continue
         optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=args.device)
         for k, (mb, (ids, attn, _, P), mask, div) in enumerate(zip(micro, packed, masks, divisors)):
@@ -401,7 +404,8 @@ def pg_update(model, ref_forward, optimizer, scheduler, samples, args, world, au
             skipped += 1
     tokens = max(stats_sum.pop("_tokens", 0.0), 1.0)
     out = {k: v / tokens for k, v in stats_sum.items() if k != "tokens"}
-    out.update(skipped_updates=skipped, grad_norm=sum(grad_norms) / max(1, len(grad_norms)))
+    out.update(skipped_updates=skipped, empty_updates=empty,
+               grad_norm=sum(grad_norms) / max(1, len(grad_norms)))
     return out
 
 
@@ -877,9 +881,17 @@ def main(argv=None):
     elif rank == 0:
         after = None
         if heldout:
-            after = evaluate_heldout(policy_for_rollout().eval(), tokenizer, heldout, args, stop_ids)
-            with open(os.path.join(args.out, "eval.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, "train_seconds": train_seconds, **after}) + "\n")
+            eval_path = os.path.join(args.out, "eval.jsonl")
+            last = {"step": -1}
+            if os.path.exists(eval_path):
+                with open(eval_path) as f:
+                    last = ([json.loads(l) for l in f if l.strip()] or [last])[-1]
+            if last["step"] == step:  # evaluated at this very step already
+                after = last
+            else:
+                after = evaluate_heldout(policy_for_rollout().eval(), tokenizer, heldout, args, stop_ids)
+                with open(os.path.join(args.out, "eval.jsonl"), "a") as f:
+                    f.write(json.dumps({"step": step, "train_seconds": train_seconds, **after}) + "\n")
         save_model(inner, tokenizer, os.path.join(args.out, "final"))
         summary = {"out": args.out, "steps": step, "train_minutes": round(train_seconds / 60, 2),
                    "skipped_updates": counters["skipped_updates"]}

@@ -235,6 +235,11 @@ def test_nonfinite_update_is_skipped(tiny):
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert not opt.state  # the optimizer never stepped
+    # No loss token anywhere (every completion filtered): not an error, just no update.
+    args.overlong_filter, samples["truncated"] = True, [True, True]
+    out = train.pg_update(model, None, opt, sched, samples, args, 1, lambda: torch.autocast("cpu", enabled=False))
+    assert out["skipped_updates"] == 0 and out["empty_updates"] == 1 and not opt.state
+    args.overlong_filter, samples["truncated"] = False, [False, False]
     samples["advantage"] = [1.0, -1.0]
     out = train.pg_update(model, None, opt, sched, samples, args, 1, lambda: torch.autocast("cpu", enabled=False))
     assert out["skipped_updates"] == 0
