@@ -19,14 +19,7 @@ from losses import AGGREGATIONS  # noqa: E402
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from threads, and on a busy 2-core machine every op's thread
-    barrier can cost milliseconds; restored afterwards for the other test files."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 # ---------------------------------------------------------------------------------------------

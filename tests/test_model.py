@@ -20,15 +20,7 @@ from model import (KVCache, LoRALinear, add_lora, load_model, lora_disabled, mer
 TOL = 1e-4  # float32 logit parity (issue 2, acceptance 1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():  # module scope: it must also cover the module-scoped fixtures
-    """One thread: these models are small, and on a busy 2-core machine a second thread's
-    barriers can make a forward pass 10-20x slower (measured: greedy 3 x 32 tokens on the
-    bundled model, 5 s on one thread, 70-120 s on two while other jobs ran)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def max_diff(a, b):

@@ -15,15 +15,7 @@ from rollout import Completion, generate, sample_tokens
 LP_TOL = 1e-3  # sampler log-probs against a fresh forward pass (issue 2, acceptance 2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():  # module scope: it must also cover the module-scoped fixtures
-    """One thread: these models are small, and on a busy 2-core machine a second thread's
-    barriers can make a forward pass 10-20x slower (measured: greedy 3 x 32 tokens on the
-    bundled model, 5 s on one thread, 70-120 s on two while other jobs ran)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")
