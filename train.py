@@ -570,7 +570,10 @@ def main(argv=None):
     rank, world, device = setup_distributed()
     args.device = device
     if args.resume:
-        with open(os.path.join(args.resume, "config.json")) as f:
+        config_path = os.path.join(args.resume, "config.json")
+        if not os.path.isfile(config_path):
+            sys.exit(f"train.py: --resume {args.resume}: no config.json there (not a run directory)")
+        with open(config_path) as f:
             saved = json.load(f)
         # The saved config wins, except what this command line sets explicitly (e.g. --steps).
         keep = {k: getattr(args, k) for k in explicit | {"resume"}}

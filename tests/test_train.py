@@ -260,3 +260,8 @@ def test_every_variant_runs_end_to_end(tiny, tmp_path, preset):
     rows = metrics(out)
     assert len(rows) == 2 and (out / "final" / "model.safetensors").exists()
     assert all(r["skipped_updates"] == 0 for r in rows)
+
+
+def test_resume_of_a_missing_run_is_a_clear_error(tmp_path):
+    proc = run_train(["--resume", str(tmp_path / "nope")], check=False)
+    assert proc.returncode != 0 and "--resume" in proc.stderr and "Traceback" not in proc.stderr
