@@ -92,15 +92,10 @@ def pass_at_k(n, c, k):
     return 1.0 - math.prod(1.0 - k / j for j in range(n - c + 1, n + 1))
 
 
-def same_answer(a, b):
-    """Whether two extracted answers are equal under rewards' normalisation ("1,000" == "1000")."""
-    return rewards.is_correct("Answer: " + " ".join(a.split("\n")), b)
-
-
 def majority_vote(answers):
     """The most frequent answer among `answers` (None entries do not vote) -> (answer, votes).
 
-    Equal answers (`same_answer`) vote together under the first one's spelling; a tie goes to the
+    Equal answers (`rewards.answers_equal`) vote together under the first one's spelling; a tie goes to the
     answer seen first. (None, 0) when nobody voted.
     """
     clusters = []  # [representative, votes], in order of first appearance
@@ -108,7 +103,7 @@ def majority_vote(answers):
         if answer is None:
             continue
         for cluster in clusters:
-            if cluster[0] == answer or same_answer(answer, cluster[0]):
+            if cluster[0] == answer or rewards.answers_equal(answer, cluster[0]):
                 cluster[1] += 1
                 break
         else:
@@ -261,7 +256,7 @@ def _score(record, prompt_ids, samples, tokenizer, plain):
         "finish_reasons": [c.finish_reason for c in samples],
         "voted": voted,
         "votes": votes,
-        "voted_correct": voted is not None and same_answer(voted, record["answer"]),
+        "voted_correct": rewards.answers_equal(voted, record["answer"]),
     }
 
 

@@ -10,6 +10,7 @@ Imports only torch and the standard library, so any function here can be copied 
     kl_estimate(logp, ref_logp, kind)                  Schulman's k1 / k2 / k3, per token
     entropy(logits, chunk_size)                        entropy from logits, chunked, fp32 math
     gkl_loss(logits, ref_logits, mask, ...)            Generalized KL to the reference (Cui et al. 2025)
+    gkl_per_token(logits, ref_logits, ...)             the same, per position, unaggregated
     dpo_loss(pi_chosen, pi_rejected, ref_chosen, ...)  DPO (Rafailov et al. 2023) -> (loss, stats)
 
 THE RULE OF THIS FILE: every divisor can be given globally.
@@ -410,6 +411,23 @@ def _gkl_weights_and_diffs(o, o_ref, gamma, weight_temperature):
     return p, d, d_bar
 
 
+def gkl_per_token(logits: torch.Tensor, ref_logits: torch.Tensor, *, alpha: float = 1.0,
+                  beta: float = 1.0, gamma: float = 1.0, temperature: float = 1.0,
+                  weight_temperature: float = 1.0, chunk_size: int | None = None):
+    """The GKL term of each position, unaggregated (see gkl_loss): (..., V) -> term, kl, wmse (...).
+
+    For callers that compute the logits a slice of positions at a time and aggregate once at the
+    end (the gradient reaches `logits` through `term` only)."""
+    vocab = logits.shape[-1]
+    flat_logits = logits.reshape(-1, vocab)                               # (N, V)
+    flat_ref = ref_logits.detach().reshape(-1, vocab)                     # (N, V)
+    term, kl, wmse = _GKL.apply(flat_logits, flat_ref, float(alpha), float(beta), float(gamma),
+                                float(temperature), float(weight_temperature),
+                                _rows_per_chunk(vocab, chunk_size))       # (N,) each
+    shape = logits.shape[:-1]
+    return term.reshape(shape), kl.reshape(shape), wmse.reshape(shape)
+
+
 def gkl_loss(logits: torch.Tensor, ref_logits: torch.Tensor, mask: torch.Tensor, *,
              alpha: float = 1.0, beta: float = 1.0, gamma: float = 1.0, temperature: float = 1.0,
              weight_temperature: float = 1.0, agg: str = "token-mean", num_tokens=None,
@@ -442,13 +460,9 @@ def gkl_loss(logits: torch.Tensor, ref_logits: torch.Tensor, mask: torch.Tensor,
 
     Returns (loss, stats); stats: kl, wmse, gkl (token means over this call's loss tokens), tokens.
     """
-    vocab = logits.shape[-1]
-    flat_logits = logits.reshape(-1, vocab)                               # (N, V)
-    flat_ref = ref_logits.detach().reshape(-1, vocab)                     # (N, V)
-    rows = _rows_per_chunk(vocab, chunk_size)
-    term, kl, wmse = _GKL.apply(flat_logits, flat_ref, float(alpha), float(beta), float(gamma),
-                                float(temperature), float(weight_temperature), rows)
-    term = term.reshape(mask.shape)                                       # (B, T)
+    term, kl, wmse = gkl_per_token(logits, ref_logits, alpha=alpha, beta=beta, gamma=gamma,
+                                   temperature=temperature, weight_temperature=weight_temperature,
+                                   chunk_size=chunk_size)                 # (B, T) each
     loss = aggregate(term, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
                      max_tokens=max_tokens, group_ids=group_ids,
                      group_token_counts=group_token_counts, num_groups=num_groups)

@@ -401,7 +401,8 @@ def _chunk_logprobs(hidden, head_weight, targets, temperature):
 
 
 def token_logprobs(model: Transformer, input_ids, attention_mask=None, *, start=1,
-                   temperature=1.0, chunk_size=64, with_entropy=False, entropy_grad=False):
+                   temperature=1.0, chunk_size=64, with_entropy=False, entropy_grad=False,
+                   hidden=None):
     """Log-prob of each token from `start` on: logp[:, j] = log p(ids[:, start+j] | ids[:, :start+j]).
 
     input_ids (B, T) -> logp (B, T-start) float32, and with with_entropy the entropy of each of
@@ -411,11 +412,14 @@ def token_logprobs(model: Transformer, input_ids, attention_mask=None, *, start=
     The vocabulary projection runs on B * chunk_size rows at a time, in forward and (recomputed)
     in backward, so neither the (B, T, V) logits nor their log-softmax ever exist in full: peak
     extra memory is ~B * chunk_size * V floats. `temperature` divides the logits, matching the
-    distribution the sampler drew from.
+    distribution the sampler drew from. `hidden`: the body's output (B, T, C) for these ids when
+    the caller already ran it (a trainer that also needs it for GKL runs the body once).
     """
     if not 1 <= start < input_ids.shape[1]:
         raise ValueError(f"token_logprobs: start={start} outside [1, {input_ids.shape[1]})")
-    hidden = model(input_ids, attention_mask, return_hidden=True)[:, start - 1:-1]  # (B, T-start, C)
+    if hidden is None:
+        hidden = model(input_ids, attention_mask, return_hidden=True)  # (B, T, C)
+    hidden = hidden[:, start - 1:-1]  # (B, T-start, C): position t predicts token t+1
     targets = input_ids[:, start:]  # (B, T-start)
     weight = getattr(model, "module", model).output.weight  # (a DDP wrapper has .module)
     B, T = targets.shape

@@ -449,7 +449,16 @@ def is_correct(response: str, truth) -> bool:
     \\boxed{} one is reduced to its answer first.
     """
     try:
-        pred = extract_answer(response)
+        return answers_equal(extract_answer(response), truth)
+    except Exception:
+        return False
+
+
+def answers_equal(pred: str | None, truth) -> bool:
+    """Whether an answer already extracted equals `truth` (anything is_correct takes, or another
+    extracted answer) after normalisation: "1,000" == "1000", "0.5" == "1/2". is_correct uses it,
+    and majority voting pools equal answers with it. Never raises."""
+    try:
         gold = _truth_answer(truth)
         if not pred or not gold:
             return False

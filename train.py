@@ -32,6 +32,7 @@ A run directory (--out) holds config.json, metrics.jsonl (one JSON object per st
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -42,6 +43,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import dapo
 import data
@@ -49,7 +51,7 @@ import losses
 import rewards
 from model import (add_lora, cpu_has_bf16, load_model, lora_disabled, save_model,
                    token_logprobs)
-from rollout import generate
+from rollout import Completion, generate
 
 # ----------------------------------------------------------------------------- configuration
 
@@ -310,12 +312,6 @@ def policy_logprobs(model, ids, attn, P, args, with_entropy=False):
                           with_entropy=with_entropy)
 
 
-def completion_logits(model, ids, attn, P, args):
-    """(B, C, V) logits at completion positions, for GKL (its own chunking bounds memory)."""
-    hidden = model(ids, attn, return_hidden=True)[:, P - 1:-1]  # (B, C, H)
-    return F.linear(hidden, getattr(model, "module", model).output.weight).float()
-
-
 def split_micro_batches(rows, size, num):
     """`num` lists of row indices of at most `size` (some empty when ranks are uneven)."""
     chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
@@ -363,8 +359,11 @@ def pg_update(model, ref_forward, optimizer, scheduler, samples, args, world, au
             last = k == len(micro) - 1
             sync = contextlib.nullcontext() if last or world == 1 else model.no_sync()
             with sync, autocast():
-                logp, ent = token_logprobs(model, ids, attn, start=P, temperature=args.temperature,
-                                           with_entropy=True, entropy_grad=args.entropy_coef > 0)
+                # One pass of the body (through DDP: one forward, one backward) feeds every term.
+                hidden = model(ids, attn, return_hidden=True)  # (b, P+C, H)
+                logp, ent = token_logprobs(inner, ids, attn, start=P, temperature=args.temperature,
+                                           with_entropy=True, entropy_grad=args.entropy_coef > 0,
+                                           hidden=hidden)
                 logp = logp[:, :mask.shape[1]]  # (b, C)
                 if mb:
                     old = pad_rows([samples["old_logp"][i] for i in mb], mask.shape[1], args.device) \
@@ -380,8 +379,8 @@ def pg_update(model, ref_forward, optimizer, scheduler, samples, args, world, au
                                                    group_ids=gids[k])
                     loss = loss - args.entropy_coef * ent_term
                 if args.kl != "none":
-                    loss = loss + args.kl_coef * kl_term(model, ref_forward, ids, attn, P, logp,
-                                                         mask, div, gids[k], args)
+                    loss = loss + args.kl_coef * kl_term(inner, ref_forward, hidden, ids, attn, P,
+                                                         logp, mask, div, gids[k], args)
                 # DDP averages gradients over ranks; the divisors are already global, so scale
                 # back up to make the all-reduce a sum (the update equals one device's).
                 (loss * world).backward()
@@ -409,21 +408,33 @@ def pg_update(model, ref_forward, optimizer, scheduler, samples, args, world, au
     return out
 
 
-def kl_term(model, ref_forward, ids, attn, P, logp, mask, div, gids, args):
-    """k1/k2/k3 (Schulman) of the sampled tokens, or GKL (Cui et al. 2025) over the vocabulary."""
+def kl_term(model, ref_forward, hidden, ids, attn, P, logp, mask, div, gids, args, positions=64):
+    """k1/k2/k3 (Schulman) of the sampled tokens, or GKL (Cui et al. 2025) over the vocabulary.
+
+    hidden (b, P+C, H): the policy body's output for ids, already computed for the log-probs.
+    GKL needs whole logit rows of both policies; they are made `positions` at a time and made
+    again in backward (checkpoint), so no (b, C, V) tensor or its gradient is ever held.
+    """
+    C = mask.shape[1]
     if args.kl == "gkl":
         with torch.no_grad():
-            ref_logits = ref_forward(lambda m: completion_logits(m, ids, attn, P, args))
-        logits = completion_logits(model, ids, attn, P, args)[:, :mask.shape[1]]
-        loss, _ = losses.gkl_loss(logits, ref_logits[:, :mask.shape[1]], mask,
-                                  alpha=args.gkl_alpha, beta=args.gkl_beta, gamma=args.gkl_gamma,
-                                  temperature=args.gkl_temperature,
-                                  weight_temperature=args.gkl_weight_temperature,
-                                  agg=args.loss_agg, **div, group_ids=gids)
-        return loss
-    with torch.no_grad():
-        ref_logp = ref_forward(lambda m: policy_logprobs(m, ids, attn, P, args))[:, :mask.shape[1]]
-    per_token = losses.kl_estimate(logp, ref_logp, args.kl)
+            ref_hidden = ref_forward(lambda m: m(ids, attn, return_hidden=True))[:, P - 1:P - 1 + C]
+            ref_weight = ref_forward(lambda m: m.output.weight)  # (V, H)
+        hidden = hidden[:, P - 1:P - 1 + C]  # (b, C, H): position t predicts completion token t
+
+        def term_of(h, h_ref):  # (b, c, H) -> (b, c)
+            return losses.gkl_per_token(
+                F.linear(h, model.output.weight), F.linear(h_ref, ref_weight),
+                alpha=args.gkl_alpha, beta=args.gkl_beta, gamma=args.gkl_gamma,
+                temperature=args.gkl_temperature, weight_temperature=args.gkl_weight_temperature)[0]
+
+        per_token = torch.cat([checkpoint(term_of, hidden[:, s:s + positions],
+                                          ref_hidden[:, s:s + positions], use_reentrant=False)
+                               for s in range(0, C, positions)], dim=1)  # (b, C)
+    else:
+        with torch.no_grad():
+            ref_logp = ref_forward(lambda m: policy_logprobs(m, ids, attn, P, args))[:, :C]
+        per_token = losses.kl_estimate(logp, ref_logp, args.kl)
     loss = losses.aggregate(per_token, mask, args.loss_agg, **div, group_ids=gids)
     return loss[0] if isinstance(loss, tuple) else loss
 
@@ -486,6 +497,23 @@ def atomic_torch_save(obj, path):
     os.replace(tmp, path)  # a crash leaves the previous checkpoint whole
 
 
+def drop_lines_after(path, step):
+    """Keeps the JSON lines of `path` whose "step" is <= step; a torn last line goes too."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                pass
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)  # a crash here leaves the old file whole
+
+
 def rng_state():
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
@@ -493,9 +521,23 @@ def rng_state():
 
 def set_rng_state(state):
     torch.set_rng_state(state["torch"])
-    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
+    random.setstate(as_random_state(state["python"]))
     if torch.cuda.is_available() and state["cuda"]:
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def as_random_state(state):
+    """random.getstate() after a torch.save round trip (its inner tuple may come back a list)."""
+    return tuple(tuple(x) if isinstance(x, list) else x for x in state)
+
+
+def groups_to_plain(groups):
+    """Carried groups as dicts and lists only, so that torch.load(weights_only=True) reads them."""
+    return [{**g, "completions": [dataclasses.asdict(c) for c in g["completions"]]} for g in groups]
+
+
+def groups_from_plain(groups):
+    return [{**g, "completions": [Completion(**c) for c in g["completions"]]} for g in groups]
 
 
 # ----------------------------------------------------------------------------- main
@@ -646,28 +688,28 @@ def main(argv=None):
     step, carry, accuracy_tracker, train_acc_ema, resumed_seconds = 0, [], {}, None, 0.0
     counters = {"skipped_updates": 0, "missing_groups": 0}
     checkpoint_path = os.path.join(args.out, "checkpoint.pt")
+    rank_state = {}
     if args.resume and os.path.exists(checkpoint_path):
         ckpt = torch.load(checkpoint_path, map_location=device, weights_only=True)
         inner.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         stream.load_state_dict(ckpt["data"])
-        set_rng_state(ckpt["rng"][rank] if rank < len(ckpt["rng"]) else ckpt["rng"][0])
+        # A run resumed on more ranks than it had: new ranks take rank 0's RNGs, no carried groups.
+        rank_state = ckpt["rng"][rank] if rank < len(ckpt["rng"]) else {**ckpt["rng"][0], "carry": []}
+        set_rng_state(rank_state)
         step, train_acc_ema = ckpt["step"], ckpt["train_acc_ema"]
         resumed_seconds = ckpt.get("train_seconds", 0.0)
         accuracy_tracker, counters = ckpt["accuracy_tracker"], ckpt["counters"]
-        carry = []  # surplus groups are not checkpointed: a resumed step samples afresh
+        carry = groups_from_plain(rank_state.get("carry", []))  # surplus groups, --keep-surplus
     if rank == 0 and not args.bench:
         os.makedirs(args.out, exist_ok=True)
         if not args.resume:
             with open(os.path.join(args.out, "config.json"), "w") as f:
                 json.dump({k: v for k, v in vars(args).items() if k != "device"}, f, indent=2)
-        metrics_path = os.path.join(args.out, "metrics.jsonl")
-        if os.path.exists(metrics_path):  # drop lines written after the checkpoint
-            with open(metrics_path) as f:
-                lines = [l for l in f if l.strip()][:step]
-            with open(metrics_path, "w") as f:
-                f.writelines(lines)
+        # On resume, drop the log lines written after the checkpoint (they will be written again).
+        drop_lines_after(os.path.join(args.out, "metrics.jsonl"), step)
+        drop_lines_after(os.path.join(args.out, "eval.jsonl"), step)
         print(f"config: {json.dumps({k: v for k, v in vars(args).items() if k != 'device'}, default=str)}")
 
     def log(msg):
@@ -684,7 +726,9 @@ def main(argv=None):
         with open(os.path.join(args.out, "eval.jsonl"), "a") as f:
             f.write(json.dumps({"step": 0, "train_seconds": 0.0, **before}) + "\n")
 
-    task_rng = random.Random(f"{args.seed}:adversarial:{rank}")
+    task_rng = random.Random(f"{args.seed}:adversarial:{rank}")  # draws the harder variants
+    if "adversarial" in rank_state:
+        task_rng.setstate(as_random_state(rank_state["adversarial"]))
     train_seconds = resumed_seconds  # the time limit counts the whole run, across resumes
     bench_rows = []
     from tqdm import tqdm
@@ -812,7 +856,9 @@ def main(argv=None):
                              sum(p.get("overlong", 0.0) for p in all_c),
                              sum(p.get("format", 0.0) for p in all_c),
                              sum(p.get("ppl", 0.0) for p in all_c),
-                             sum(p.get("efficiency", 0.0) for p in all_c)], dtype=torch.float64)
+                             sum(p.get("efficiency", 0.0) for p in all_c),
+                             report.get("surplus_carried", 0), report.get("adversarial_prompts", 0)],
+                            dtype=torch.float64)
         all_reduce(sums)
         kept_per_rank = [len(groups)]
         if world > 1:
@@ -835,7 +881,9 @@ def main(argv=None):
             "reward_ppl": float(sums[14]) / n, "reward_efficiency": float(sums[15]) / n,
             "response_length": float(sums[3]) / n, "truncated": float(sums[4]) / n,
             "groups_sampled": int(sums[11]), "groups_kept": int(sums[5]),
-            "groups_missing": int(sums[6]), "groups_kept_per_rank": kept_per_rank, "rounds": report.get("rounds", 1),
+            "groups_missing": int(sums[6]), "groups_carried": int(sums[16]),
+            "adversarial_prompts": int(sums[17]), "groups_kept_per_rank": kept_per_rank,
+            "rounds": report.get("rounds", 1),
             "sampler_trainer_mismatch": float(sums[8]) / max(1.0, float(sums[7])),
             **{k: v for k, v in upd.items()},
             "skipped_updates_total": counters["skipped_updates"],
@@ -863,7 +911,9 @@ def main(argv=None):
             with open(os.path.join(args.out, "eval.jsonl"), "a") as f:
                 f.write(json.dumps({"step": step, "train_seconds": train_seconds, **res}) + "\n")
         if step % args.checkpoint_every == 0 or step == args.steps:
-            states = [rng_state()]
+            # What each rank alone holds: its RNGs and the groups it carries into the next step.
+            states = [{**rng_state(), "adversarial": task_rng.getstate(),
+                       "carry": groups_to_plain(carry)}]
             if world > 1:
                 gathered = [None] * world
                 dist.all_gather_object(gathered, states[0])

@@ -17,6 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval as ev  # noqa: E402
+import rewards  # noqa: E402
 from conftest import EOS_ID, tiny_checkpoint  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
@@ -89,8 +90,9 @@ def test_summarize_hand_made():
 def test_maj_at_k_counts_normalised_votes():
     """A problem whose samples say "1,000", "1000", "999": voted "1,000", correct against 1000."""
     voted, votes = ev.majority_vote(["1,000", "1000", "999"])
-    assert votes == 2 and ev.same_answer(voted, "1000")
-    assert not ev.same_answer("999", "1000")
+    assert votes == 2 and rewards.answers_equal(voted, "1000")
+    assert rewards.answers_equal("0.5", "\\frac{1}{2}") and rewards.answers_equal("72", "#### 72")
+    assert not rewards.answers_equal("999", "1000") and not rewards.answers_equal(None, "1")
 
 
 def test_plain_continuation_is_cut():

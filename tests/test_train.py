@@ -135,13 +135,35 @@ def test_help_documents_every_flag():
     assert out.returncode == 0 and "--dynamic-sampling" in out.stdout
 
 
+def learnable_data(path, n=16):
+    """Every answer is 7 and every row has a hint: at a high learning rate the tiny model soon
+    answers some groups all right, some all wrong, so dynamic sampling has surplus groups to
+    carry and signal-less groups to turn into adversarial variants."""
+    rows = [{"prompt": f"What is {i % 5} + {(3 * i) % 5} ?", "answer": "7", "id": f"q{i}",
+             "hint": "7"} for i in range(n)]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(path)
+
+
 @pytest.mark.slow
-def test_resume_after_sigkill_is_bit_identical(tiny, tmp_path):
+@pytest.mark.parametrize("variant", [
+    [],
+    # State beyond weights and data: carried surplus groups (one step stale), the RNG of the
+    # harder variants, per-prompt accuracies.
+    ["--adversarial", "--keep-surplus", "--adaptive-budget", "--lr", "3e-2", "--max-refills", "2"],
+], ids=["dapo", "adversarial-surplus-adaptive"])
+def test_resume_after_sigkill_is_bit_identical(tiny, tmp_path, variant):
     model_dir, data_file = tiny
+    if variant:
+        data_file = learnable_data(tmp_path / "learnable.jsonl")
     common = ["--model", model_dir, "--data", data_file, "--steps", "5", "--dynamic-sampling",
-              "--max-refills", "1"] + BASE
+              "--max-refills", "1"] + BASE + variant
     straight = tmp_path / "straight"
     run_train(common + ["--out", str(straight)])
+    if variant:  # the run must carry groups across the steps where it may be killed
+        carried = [r["groups_carried"] for r in metrics(straight)]
+        assert carried[1] + carried[2] > 0, carried
 
     killed = tmp_path / "killed"
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -168,12 +190,13 @@ def test_resume_after_sigkill_is_bit_identical(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_two_ranks_equal_one_process(tiny, tmp_path):
+@pytest.mark.parametrize("variant", [[], ["--kl", "gkl", "--kl-coef", "1.0"]], ids=["dapo", "gkl"])
+def test_ddp_two_ranks_equal_one_process(tiny, tmp_path, variant):
     """One update on the same global batch: torchrun with 2 gloo ranks vs 1 process."""
     model_dir, data_file = tiny
     common = ["--model", model_dir, "--data", data_file, "--steps", "1", "--dynamic-sampling",
               "--max-refills", "0", "--prompts-per-step", "8", "--seed", "3",
-              ] + BASE[2:]
+              ] + BASE[2:] + variant
     one = tmp_path / "one"
     run_train(common + ["--out", str(one)])
     two = tmp_path / "two"
@@ -244,6 +267,43 @@ def test_nonfinite_update_is_skipped(tiny):
     out = train.pg_update(model, None, opt, sched, samples, args, 1, lambda: torch.autocast("cpu", enabled=False))
     assert out["skipped_updates"] == 0
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_chunked_gkl_term_equals_gkl_loss_on_whole_logits(tiny, agg):
+    """train.kl_term makes GKL's logits a few positions at a time from the body's output it is
+    handed (recomputed in backward); loss and gradient equal losses.gkl_loss on whole logits."""
+    import argparse
+    import copy
+    import losses
+    import train
+    from model import load_model
+    model_dir, _ = tiny
+    model, _ = load_model(model_dir)
+    ref = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    args = argparse.Namespace(kl="gkl", loss_agg=agg, gkl_alpha=1.0, gkl_beta=2.0, gkl_gamma=0.5,
+                              gkl_temperature=1.5, gkl_weight_temperature=2.0, temperature=1.0)
+    ids, attn, mask, P = train.pack([[2, 4, 5], [2, 6]], [[7, 8, 9, 3, 10], [9, 11]], "cpu")
+    div = {"num_tokens": mask.sum(), "num_seqs": 2}
+
+    hidden = model(ids, attn, return_hidden=True)
+    loss = train.kl_term(model, lambda fn: fn(ref), hidden, ids, attn, P, None, mask, div, None,
+                         args, positions=2)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+
+    C = mask.shape[1]
+    logits = model(ids, attn)[:, P - 1:P - 1 + C]
+    with torch.no_grad():
+        ref_logits = ref(ids, attn)[:, P - 1:P - 1 + C]
+    want, _ = losses.gkl_loss(logits, ref_logits, mask, alpha=1.0, beta=2.0, gamma=0.5,
+                              temperature=1.5, weight_temperature=2.0, agg=agg, **div)
+    want_grads = torch.autograd.grad(want, list(model.parameters()))
+    assert loss.item() > 0 and torch.allclose(loss, want, atol=1e-6, rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        assert torch.allclose(g, w, atol=1e-6, rtol=1e-4)
 
 
 @pytest.mark.slow
