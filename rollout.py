@@ -51,9 +51,12 @@ def sample_tokens(logits, uniforms, temperature=1.0, top_p=1.0, top_k=0):
         tokens = logits.argmax(-1)  # (B,)
         logp = logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
         return tokens, logp
+    # Unnormalised probabilities: one exp pass over the vocabulary instead of two (logsumexp and
+    # then softmax); every use below scales by the total, so normalising is never needed.
     scaled = logits / temperature  # (B, V)
-    logz = torch.logsumexp(scaled, dim=-1, keepdim=True)  # (B, 1)
-    probs = torch.exp(scaled - logz)  # (B, V)
+    shifted = scaled - scaled.amax(-1, keepdim=True)  # (B, V), <= 0 so exp cannot overflow
+    probs = shifted.exp()  # (B, V) proportional to softmax(scaled)
+    logz = probs.sum(-1).log()  # (B,) log-normaliser of exp(shifted), before truncation
     if top_k and top_k < probs.shape[-1]:
         kth = probs.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
         probs = torch.where(probs >= kth, probs, 0.0)
@@ -69,7 +72,7 @@ def sample_tokens(logits, uniforms, temperature=1.0, top_p=1.0, top_k=0):
         cdf = probs.cumsum(-1)  # (B, V): unnormalised after truncation, so scale u by the total
         picked = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)  # (B, 1)
         tokens = picked.clamp(max=probs.shape[-1] - 1).squeeze(-1)
-    logp = scaled.gather(-1, tokens[:, None]).squeeze(-1) - logz.squeeze(-1)  # (B,)
+    logp = shifted.gather(-1, tokens[:, None]).squeeze(-1) - logz  # (B,)
     return tokens, logp
 
 
@@ -165,16 +168,24 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
 
 # ----------------------------------------------------------------------------- benchmark
 
+def sync(device):
+    if device.type == "cuda":  # kernels run asynchronously: wait before reading the clock
+        torch.cuda.synchronize(device)
+
+
 def matmul_bound_seconds(model: Transformer, rows: int, repeats=5) -> float:
     """Time of the matrix products alone in one decode step at `rows` rows (measured here)."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=model.dtype) for w in weights}
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=model.dtype, device=model.device)
+          for w in weights}
     times = []
     with torch.no_grad():
         for _ in range(repeats):
+            sync(model.device)
             t = time.perf_counter()
             for w in weights:
                 F.linear(xs[w.shape[1]], w)
+            sync(model.device)
             times.append(time.perf_counter() - t)
     return min(times)
 
@@ -185,6 +196,7 @@ def bench(args):
     import glob
     import os
     torch.manual_seed(0)
+    device = torch.device(args.device)
     _, tokenizer = load_model(args.model)
     model_dir = args.model or sorted(glob.glob(os.path.join(cache_root(), "SmolLM2-135M-*")))[0]
     questions = [f"What is {a} + {b}?" for a, b in zip(range(3, 200, 13), range(90, 7, -5))]
@@ -193,22 +205,25 @@ def bench(args):
                for q in questions][:args.prompts]
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     rows = args.prompts * args.samples
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"CPU, {torch.get_num_threads()} threads")
     print(f"{args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
-          f"temperature 1, no early stop, {torch.get_num_threads()} threads")
+          f"temperature 1, no early stop, {where}")
     from model import cpu_has_bf16
     dtypes = args.dtypes.split(",") if args.dtypes else (
-        ["float32", "bfloat16"] if cpu_has_bf16() else ["float32"])
+        ["float32", "bfloat16"] if cpu_has_bf16() or device.type == "cuda" else ["float32"])
     if "bfloat16" not in dtypes:
         print("bfloat16 skipped: this CPU has no native bf16 matrix instructions (AVX-512 BF16 or "
               "AMX), so bf16 runs slower than fp32 here; force it with --dtypes float32,bfloat16")
     for dtype in [getattr(torch, d) for d in dtypes]:
-        ours, _ = load_model(args.model, dtype=dtype)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        ours, _ = load_model(args.model, dtype=dtype, device=device)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         hf.generation_config.pad_token_id = tokenizer.pad_token_id or 0
         pad = hf.generation_config.pad_token_id
         width = max(map(len, prompts))
-        hf_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        hf_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
         hf_mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+        hf_mask = hf_mask.to(device)
 
         def run_ours():
             out = generate(ours, prompts, num_samples=args.samples, max_new_tokens=args.new_tokens,
@@ -226,8 +241,12 @@ def bench(args):
         run_ours(), run_hf()  # warm-up
         t_ours, t_hf = [], []
         for _ in range(args.repeats):  # alternate, so drift hits both alike
-            t = time.perf_counter(); run_ours(); t_ours.append(time.perf_counter() - t)
-            t = time.perf_counter(); run_hf(); t_hf.append(time.perf_counter() - t)
+            for run, times in ((run_ours, t_ours), (run_hf, t_hf)):
+                sync(device)
+                t = time.perf_counter()
+                run()
+                sync(device)
+                times.append(time.perf_counter() - t)
         tokens = rows * args.new_tokens
         ours_tps, hf_tps = tokens / statistics.median(t_ours), tokens / statistics.median(t_hf)
         bound = matmul_bound_seconds(ours, rows)
@@ -248,9 +267,12 @@ def main():
     parser.add_argument("--dtypes", default=None, help="comma-separated, e.g. float32,bfloat16 "
                         "(default: both where the CPU has native bf16, else float32)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     args = parser.parse_args()
     if not args.bench:
         parser.error("nothing to do: pass --bench")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch build or machine has no CUDA device")
     bench(args)
 
 

@@ -890,6 +890,9 @@ def main(argv=None):
             "seconds_rollout": t_rollout, "seconds_scoring": t_scoring, "seconds_update": t_update,
             "tokens_per_second_rollout": float(sums[9]) / max(t_rollout, 1e-9),
             "tokens_per_second_update": float(sums[10]) / max(t_update, 1e-9),
+            # Re-scoring (old log-probs) is a pass of its own only with several mini-batches.
+            "tokens_per_second_scoring": (float(sums[10]) / max(t_scoring, 1e-9)
+                                          if args.mini_batches > 1 else None),
             "train_seconds": train_seconds,
         }
         if args.bench:
