@@ -269,6 +269,23 @@ def test_nonfinite_update_is_skipped(tiny):
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_bf16_path_runs(tiny, tmp_path):
+    """--dtype bfloat16 (the GPU default): rollouts from a bf16 copy of the policy, updates under
+    autocast with fp32 master weights, GKL and old log-probs included. The sampler's bf16 log-probs
+    then differ a little from the trainer's, which shows the bf16 copy did the sampling."""
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    run_train(["--model", model_dir, "--data", data_file, "--steps", "2", "--out", str(out),
+               "--dtype", "bfloat16", "--kl", "gkl", "--kl-coef", "1.0", "--mini-batches", "2"]
+              + BASE)
+    rows = metrics(out)
+    assert len(rows) == 2 and all(r["skipped_updates"] == 0 for r in rows)
+    assert all(0 < r["sampler_trainer_mismatch"] < 0.05 for r in rows)
+    from safetensors.torch import load_file
+    saved = load_file(out / "final" / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in saved.values())  # fp32 master weights
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_chunked_gkl_term_equals_gkl_loss_on_whole_logits(tiny, agg):
     """train.kl_term makes GKL's logits a few positions at a time from the body's output it is
