@@ -690,13 +690,17 @@ def main(argv=None):
     checkpoint_path = os.path.join(args.out, "checkpoint.pt")
     rank_state = {}
     if args.resume and os.path.exists(checkpoint_path):
-        ckpt = torch.load(checkpoint_path, map_location=device, weights_only=True)
+        # On the CPU: RNG states must stay there; load_state_dict copies the rest to the device.
+        ckpt = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
         inner.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         stream.load_state_dict(ckpt["data"])
-        # A run resumed on more ranks than it had: new ranks take rank 0's RNGs, no carried groups.
-        rank_state = ckpt["rng"][rank] if rank < len(ckpt["rng"]) else {**ckpt["rng"][0], "carry": []}
+        # A run resumed on more ranks than it had: new ranks take rank 0's torch and Python RNGs,
+        # no carried groups, and their own fresh adversarial RNG. (On fewer ranks, the groups the
+        # missing ranks carried are dropped: they were surplus.)
+        rank_state = (ckpt["rng"][rank] if rank < len(ckpt["rng"]) else
+                      {k: v for k, v in ckpt["rng"][0].items() if k not in ("carry", "adversarial")})
         set_rng_state(rank_state)
         step, train_acc_ema = ckpt["step"], ckpt["train_acc_ema"]
         resumed_seconds = ckpt.get("train_seconds", 0.0)
@@ -709,7 +713,8 @@ def main(argv=None):
                 json.dump({k: v for k, v in vars(args).items() if k != "device"}, f, indent=2)
         # On resume, drop the log lines written after the checkpoint (they will be written again).
         drop_lines_after(os.path.join(args.out, "metrics.jsonl"), step)
-        drop_lines_after(os.path.join(args.out, "eval.jsonl"), step)
+        # With no checkpoint yet the run starts over, its step-0 evaluation included.
+        drop_lines_after(os.path.join(args.out, "eval.jsonl"), step if step else -1)
         print(f"config: {json.dumps({k: v for k, v in vars(args).items() if k != 'device'}, default=str)}")
 
     def log(msg):

@@ -339,6 +339,29 @@ def test_every_variant_runs_end_to_end(tiny, tmp_path, preset):
     assert all(r["skipped_updates"] == 0 for r in rows)
 
 
+def test_resume_before_the_first_checkpoint_starts_over(tiny, tmp_path):
+    """A run killed before its first checkpoint: --resume starts it over, and its logs hold each
+    step once (the step-0 held-out evaluation is not written twice)."""
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    run_train(["--model", model_dir, "--data", data_file, "--eval-data", data_file,
+               "--eval-limit", "4", "--steps", "1", "--out", str(out)] + BASE)
+
+    def evals():
+        rows = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if "seconds" not in k and k != "tokens_per_s"}
+                for r in rows]
+
+    first = evals()
+    for name in ("checkpoint.pt", "metrics.jsonl"):  # as if killed during step 1
+        (out / name).unlink()
+    import shutil
+    shutil.rmtree(out / "final")
+    run_train(["--resume", str(out)])
+    assert [r["step"] for r in evals()] == [0, 1] and evals() == first
+    assert [r["step"] for r in metrics(out)] == [1]
+
+
 def test_resume_of_a_missing_run_is_a_clear_error(tmp_path):
     proc = run_train(["--resume", str(tmp_path / "nope")], check=False)
     assert proc.returncode != 0 and "--resume" in proc.stderr and "Traceback" not in proc.stderr
