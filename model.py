@@ -190,9 +190,26 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, k, v)  # (B, Hkv, S, D): everything cached so far
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=self.num_kv_heads != self.num_heads)
+        y = attend(q, k, v, mask, expand_kv=q.is_cuda and mask is not None and T > 1)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+
+
+def attend(q, k, v, mask, expand_kv=False):
+    """softmax(q k^T / sqrt(D) + mask) v with grouped-query heads: q (B, Hq, T, D), k and v
+    (B, Hkv, S, D), query head h reading key/value head h // (Hq / Hkv); mask (B, 1, T, S) bool,
+    or None for plain causal attention.
+
+    On the CPU, and for one-token decode steps, `enable_gqa` reads the shared heads in place
+    (copying them to every query head costs more than the attention). CUDA's fused kernels take
+    either grouped heads (flash, which takes no mask) or a mask (memory-efficient), not both, and
+    the fallback materialises (B, Hq, T, S) scores per layer: with a mask over many tokens,
+    `expand_kv` copies the heads out so the memory-efficient kernel runs.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if expand_kv and groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, Hq, S, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 class MLP(nn.Module):
@@ -267,6 +284,13 @@ class Transformer(nn.Module):
         self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.gradient_checkpointing = False  # recompute each block in backward (GPU memory)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(torch.bfloat16) and the like must not round the rotary frequencies (a bf16 angle is
+        # ~0.7 rad off at position 4096): they stay float32, on the weights' device.
+        super()._apply(fn, *args, **kwargs)
+        self.inv_freq = rope_inv_freq(self.config).to(self.tok_embeddings.weight.device)
+        return self
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:  # one tensor for input embedding and output head
@@ -605,7 +629,6 @@ def empty_model(cfg: ModelConfig, dtype, device) -> Transformer:
         model = Transformer(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty gives the two tied modules separate tensors
-    model.inv_freq = rope_inv_freq(cfg).to(device)
     return model
 
 
@@ -746,7 +769,7 @@ def _bench_logprob_memory(path: str, batch: int, length: int, chunked: bool):
             return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
 
     torch.manual_seed(0)
-    model, _ = load_model(None if path == "bundled" else path)
+    model, _ = load_model(None if path == "bundled" else path, dtype=torch.float32, device="cpu")
     ids = torch.randint(0, model.config.vocab_size, (batch, length))
     with torch.no_grad():
         hidden = model(ids, return_hidden=True)  # (B, T, C): shared by both paths, not measured
@@ -754,7 +777,7 @@ def _bench_logprob_memory(path: str, batch: int, length: int, chunked: bool):
             f.write("5")  # resets VmHWM to the current resident size (Linux)
         base = peak_mib()
         if chunked:
-            logp = token_logprobs(model, ids)
+            logp = token_logprobs(model, ids, hidden=hidden)
         else:  # the naive path: full (B, T, V) float32 logits, then their log-softmax
             logits = model.output(hidden[:, :-1]).float()  # (B, T-1, V)
             logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -808,7 +831,8 @@ def bench(args):
         print("  (bf16 autocast skipped: this CPU has no native bf16 matrix instructions)")
     results = {}
     for name, autocast in precisions:
-        ours, _ = load_model(None if args.model == "bundled" else args.model)
+        ours, _ = load_model(None if args.model == "bundled" else args.model, dtype=torch.float32,
+                             device="cpu")  # this bench measures the CPU (memory is VmHWM)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         ours.train(), hf.train()
         runs = {"ours": (ours, step_ours), "transformers": (hf, step_hf)}

@@ -197,7 +197,7 @@ def bench(args):
     import os
     torch.manual_seed(0)
     device = torch.device(args.device)
-    _, tokenizer = load_model(args.model)
+    _, tokenizer = load_model(args.model, device="cpu")
     model_dir = args.model or sorted(glob.glob(os.path.join(cache_root(), "SmolLM2-135M-*")))[0]
     questions = [f"What is {a} + {b}?" for a, b in zip(range(3, 200, 13), range(90, 7, -5))]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],

@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -228,17 +229,28 @@ def setup_distributed():
     if world == 1:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    # Rank 0 alone evaluates and writes checkpoints while the others wait in a collective: allow
+    # more than NCCL's default 10 minutes for that.
+    timeout = datetime.timedelta(hours=2)
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", timeout=timeout)
         return rank, world, torch.device("cuda", local)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timeout)
     return rank, world, torch.device("cpu")
 
 
 def all_reduce(tensor, op=None):
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+    """Sums (or `op`) `tensor` over ranks, in place; a no-op in one process. NCCL reduces CUDA
+    tensors only, so a CPU tensor goes through the GPU and back."""
+    if not dist.is_initialized():
+        return tensor
+    op = op or dist.ReduceOp.SUM
+    if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
+        on_gpu = tensor.to(torch.cuda.current_device())
+        dist.all_reduce(on_gpu, op=op)
+        return tensor.copy_(on_gpu)
+    dist.all_reduce(tensor, op=op)
     return tensor
 
 
@@ -515,15 +527,16 @@ def drop_lines_after(path, step):
 
 
 def rng_state():
+    # CUDA: this rank's own device only (a resume may see a different number of GPUs).
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     random.setstate(as_random_state(state["python"]))
-    if torch.cuda.is_available() and state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if torch.cuda.is_available() and torch.is_tensor(state.get("cuda")):
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def as_random_state(state):
@@ -665,10 +678,17 @@ def main(argv=None):
         with lora_disabled(model):
             return fn(getattr(model, "module", model))
 
-    # Rollouts run in bf16 on a copy refreshed after each update, where bf16 is fast.
+    # Rollouts run in bf16 on a copy refreshed after each update (and after a resume), where
+    # bf16 is fast.
     rollout_model = None
     if use_bf16 and not args.lora_rank:
         rollout_model = copy.deepcopy(model).to(torch.bfloat16).eval()
+
+    @torch.no_grad()
+    def refresh_rollout_copy():
+        if rollout_model is not None:
+            for p_roll, p in zip(rollout_model.parameters(), inner.parameters()):
+                p_roll.copy_(p)
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay,
@@ -695,17 +715,19 @@ def main(argv=None):
         inner.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
-        stream.load_state_dict(ckpt["data"])
-        # A run resumed on more ranks than it had: new ranks take rank 0's torch and Python RNGs,
-        # no carried groups, and their own fresh adversarial RNG. (On fewer ranks, the groups the
-        # missing ranks carried are dropped: they were surplus.)
+        # A run resumed on more ranks than it had: new ranks take rank 0's data position and
+        # RNGs, no carried groups, and their own fresh adversarial RNG. (On fewer ranks, the
+        # groups the missing ranks carried are dropped: they were surplus.)
         rank_state = (ckpt["rng"][rank] if rank < len(ckpt["rng"]) else
                       {k: v for k, v in ckpt["rng"][0].items() if k not in ("carry", "adversarial")})
         set_rng_state(rank_state)
+        stream.load_state_dict(rank_state.get("data", ckpt["data"]))
         step, train_acc_ema = ckpt["step"], ckpt["train_acc_ema"]
         resumed_seconds = ckpt.get("train_seconds", 0.0)
-        accuracy_tracker, counters = ckpt["accuracy_tracker"], ckpt["counters"]
+        accuracy_tracker = rank_state.get("accuracy_tracker", ckpt["accuracy_tracker"])
+        counters = ckpt["counters"]
         carry = groups_from_plain(rank_state.get("carry", []))  # surplus groups, --keep-surplus
+        refresh_rollout_copy()
     if rank == 0 and not args.bench:
         os.makedirs(args.out, exist_ok=True)
         if not args.resume:
@@ -740,7 +762,10 @@ def main(argv=None):
     bar = tqdm(total=None if args.time_limit else args.steps, initial=step,
                disable=rank != 0 or args.bench, desc="train", unit="step")
     while step < args.steps:
-        if args.time_limit and train_seconds > args.time_limit * 60:
+        # Every rank must stop at the same step (or the others hang in the next collective),
+        # and their clocks differ: stop when any rank is over the limit.
+        over = torch.tensor(float(bool(args.time_limit) and train_seconds > args.time_limit * 60))
+        if all_reduce(over, dist.ReduceOp.MAX) > 0:
             log(f"time limit of {args.time_limit} minutes reached after {step} steps")
             break
         t0 = time.perf_counter()
@@ -839,10 +864,7 @@ def main(argv=None):
             upd = dpo_update(model, ref_forward, optimizer, scheduler, groups, args, world, autocast)
         else:
             upd = pg_update(model, ref_forward, optimizer, scheduler, samples, args, world, autocast)
-        if rollout_model is not None:
-            with torch.no_grad():
-                for p_roll, p in zip(rollout_model.parameters(), inner.parameters()):
-                    p_roll.copy_(p)
+        refresh_rollout_copy()
         t_update = time.perf_counter() - ts
         step += 1
         train_seconds += time.perf_counter() - t0
@@ -919,9 +941,11 @@ def main(argv=None):
             with open(os.path.join(args.out, "eval.jsonl"), "a") as f:
                 f.write(json.dumps({"step": step, "train_seconds": train_seconds, **res}) + "\n")
         if step % args.checkpoint_every == 0 or step == args.steps:
-            # What each rank alone holds: its RNGs and the groups it carries into the next step.
-            states = [{**rng_state(), "adversarial": task_rng.getstate(),
-                       "carry": groups_to_plain(carry)}]
+            # What each rank alone holds: its RNGs, its data position (refills draw different
+            # numbers of batches on different ranks), its prompts' accuracies, and the groups it
+            # carries into the next step.
+            states = [{**rng_state(), "adversarial": task_rng.getstate(), "data": stream.state_dict(),
+                       "accuracy_tracker": accuracy_tracker, "carry": groups_to_plain(carry)}]
             if world > 1:
                 gathered = [None] * world
                 dist.all_gather_object(gathered, states[0])

@@ -146,6 +146,37 @@ def test_load_dtype_and_tokenizer(tiny_ckpt, loaded):
         assert max_diff(bf(ids), loaded("llama")[0](ids)) < 0.2  # bf16 rounding only
 
 
+def test_rotary_frequencies_stay_float32_whatever_the_dtype(loaded):
+    """Casting a model (e.g. train.py's bf16 rollout copy) must not round its rotary frequencies:
+    in bf16 they would be up to ~0.7 rad off at position 4096."""
+    import copy
+    ours = loaded("llama")[0]
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("cpu")):
+        m = cast(copy.deepcopy(ours))
+        assert m.inv_freq.dtype == torch.float32
+        assert torch.equal(m.inv_freq, M.rope_inv_freq(ours.config))
+
+
+def test_expanded_kv_heads_equal_grouped_attention():
+    """model.attend's CUDA path (key/value heads copied out for the masked fused kernel) computes
+    what enable_gqa does, with a padding mask and with plain causal attention."""
+    torch.manual_seed(0)
+    B, Hq, Hkv, T, D = 2, 6, 2, 5, 8
+    q, k, v = torch.randn(B, Hq, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    mask = (causal[None] & torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)[:, None])
+    mask = (mask | torch.eye(T, dtype=torch.bool))[:, None]  # (B, 1, T, T)
+    for m in (mask, None):
+        grouped = M.attend(q, k, v, m)
+        expanded = M.attend(q, k, v, m, expand_kv=True)
+        assert torch.allclose(grouped, expanded, atol=1e-6)
+    # and both equal the textbook formula, query head h reading key/value head h // (Hq / Hkv)
+    kk, vv = k[:, [h // 3 for h in range(Hq)]], v[:, [h // 3 for h in range(Hq)]]
+    scores = (q @ kk.transpose(-1, -2)) / D ** 0.5
+    want = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ vv
+    assert torch.allclose(M.attend(q, k, v, mask, expand_kv=True), want, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # save_model
 # ---------------------------------------------------------------------------------------------

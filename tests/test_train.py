@@ -66,10 +66,19 @@ BASE = ["--prompts-per-step", "4", "--samples", "4", "--max-new-tokens", "3", "-
         "--overlong-cache", "1", "--time-limit", "0"]
 
 
-def run_train(args, env_extra=None, check=True, launcher=None):
+def run_train(args, env_extra=None, check=True, launcher=None, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
     cmd = (launcher or [sys.executable]) + [str(ROOT / "train.py")] + args
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # In a session of its own, so that a hung run (torchrun and its ranks) can be killed whole.
+    popen = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        stdout, stderr = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(popen.pid, signal.SIGKILL)
+        popen.communicate()
+        raise
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -152,16 +161,18 @@ def learnable_data(path, n=16):
     # State beyond weights and data: carried surplus groups (one step stale), the RNG of the
     # harder variants, per-prompt accuracies.
     ["--adversarial", "--keep-surplus", "--adaptive-budget", "--lr", "3e-2", "--max-refills", "2"],
-], ids=["dapo", "adversarial-surplus-adaptive"])
+    # The GPU default: rollouts from a bf16 copy, which a resume must refresh from the checkpoint.
+    ["--dtype", "bfloat16"],
+], ids=["dapo", "adversarial-surplus-adaptive", "bf16"])
 def test_resume_after_sigkill_is_bit_identical(tiny, tmp_path, variant):
     model_dir, data_file = tiny
-    if variant:
+    if "--adversarial" in variant:
         data_file = learnable_data(tmp_path / "learnable.jsonl")
     common = ["--model", model_dir, "--data", data_file, "--steps", "5", "--dynamic-sampling",
               "--max-refills", "1"] + BASE + variant
     straight = tmp_path / "straight"
     run_train(common + ["--out", str(straight)])
-    if variant:  # the run must carry groups across the steps where it may be killed
+    if "--keep-surplus" in variant:  # the run must carry groups across the steps where it may be killed
         carried = [r["groups_carried"] for r in metrics(straight)]
         assert carried[1] + carried[2] > 0, carried
 
@@ -212,6 +223,21 @@ def test_ddp_two_ranks_equal_one_process(tiny, tmp_path, variant):
     assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-4  # the update is not trivial
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), (k, (a[k] - b[k]).abs().max())
+
+
+@pytest.mark.slow
+def test_ddp_ranks_stop_together_at_the_time_limit(tiny, tmp_path):
+    """Rank 0 alone evaluates between steps, so the ranks' clocks differ; they must still leave
+    the loop at the same step (one rank leaving early leaves the other hung in a collective)."""
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    proc = run_train(["--model", model_dir, "--data", data_file, "--eval-data", data_file,
+                      "--eval-limit", "16", "--eval-every", "1", "--steps", "100000",
+                      "--out", str(out)] + BASE[:-2] + ["--time-limit", "0.05"],
+                     launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", str(29600 + os.getpid() % 1000)], timeout=240)
+    assert "time limit of 0.05 minutes reached" in proc.stdout
+    assert (out / "final" / "model.safetensors").exists() and len(metrics(out)) >= 2
 
 
 def weights_from(model_dir):
