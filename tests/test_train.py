@@ -177,27 +177,60 @@ def test_resume_after_sigkill_is_bit_identical(tiny, tmp_path, variant):
         assert carried[1] + carried[2] > 0, carried
 
     killed = tmp_path / "killed"
+    kill_then_resume(common, killed)
+    assert_same_run(straight, killed)
+
+
+def kill_then_resume(common, killed, launcher=None):
+    """Starts train.py, SIGKILLs it (all its processes) once it has checkpointed at least two
+    steps, then runs --resume to the end."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py")] + common + ["--out", str(killed)],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen((launcher or [sys.executable]) + [str(ROOT / "train.py")] + common
+                            + ["--out", str(killed)], cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while time.time() < deadline:  # kill it once it has checkpointed at least two steps
+    while time.time() < deadline:
         if (killed / "checkpoint.pt").exists() and (killed / "metrics.jsonl").exists() and \
                 len((killed / "metrics.jsonl").read_text().splitlines()) >= 2:
             break
         if proc.poll() is not None:
             break
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (killed / "final").exists(), "the run finished before it could be killed"
-    run_train(["--resume", str(killed)])
+    run_train(["--resume", str(killed)], launcher=launcher)
 
-    a, b = weights(straight), weights(killed)
+
+def assert_same_run(straight, resumed):
+    a, b = weights(straight), weights(resumed)
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    assert metrics(straight) == metrics(killed)
+    assert metrics(straight) == metrics(resumed)
+
+
+def torchrun(nproc=2):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", str(29500 + (os.getpid() + int(time.time() * 1000)) % 2000)]
+
+
+@pytest.mark.slow
+def test_ddp_resume_is_exact_per_rank(tiny, tmp_path):
+    """Two gloo ranks: 3 steps, then --resume to 8, equals 8 straight. Refills make the ranks
+    draw different numbers of batches, so each rank must get back its own data position (and
+    RNGs, prompt accuracies, carried groups). (SIGKILL itself: the single-process test above.)"""
+    model_dir, data_file = tiny
+    common = ["--model", model_dir, "--data", data_file, "--dynamic-sampling", "--max-refills",
+              "2", "--keep-surplus", "--prompts-per-step", "4"] + BASE
+    straight = tmp_path / "straight"
+    run_train(common + ["--steps", "8", "--out", str(straight)], launcher=torchrun())
+    resumed = tmp_path / "resumed"
+    run_train(common + ["--steps", "3", "--out", str(resumed)], launcher=torchrun())
+    positions = [s["data"]["step"] for s in torch.load(resumed / "checkpoint.pt")["rng"]]
+    assert positions[0] != positions[1], positions  # the ranks' data positions differ at step 3
+    run_train(["--resume", str(resumed), "--steps", "8"], launcher=torchrun())
+    assert_same_run(straight, resumed)
 
 
 @pytest.mark.slow
