@@ -95,8 +95,8 @@ def pass_at_k(n, c, k):
 def majority_vote(answers):
     """The most frequent answer among `answers` (None entries do not vote) -> (answer, votes).
 
-    Equal answers (`rewards.answers_equal`) vote together under the first one's spelling; a tie goes to the
-    answer seen first. (None, 0) when nobody voted.
+    Equal answers (`rewards.answers_equal`) vote together under the first one's spelling; a tie
+    goes to the answer seen first. (None, 0) when nobody voted.
     """
     clusters = []  # [representative, votes], in order of first appearance
     for answer in answers:

@@ -715,17 +715,19 @@ def main(argv=None):
         inner.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
+        per_rank = ckpt.get("per_rank") or [  # a first-version checkpoint shared these two
+            {**rngs, "data": ckpt["data"], "accuracy_tracker": ckpt["accuracy_tracker"]}
+            for rngs in ckpt["rng"]]
         # A run resumed on more ranks than it had: new ranks take rank 0's data position and
         # RNGs, no carried groups, and their own fresh adversarial RNG. (On fewer ranks, the
         # groups the missing ranks carried are dropped: they were surplus.)
-        rank_state = (ckpt["rng"][rank] if rank < len(ckpt["rng"]) else
-                      {k: v for k, v in ckpt["rng"][0].items() if k not in ("carry", "adversarial")})
+        rank_state = (per_rank[rank] if rank < len(per_rank) else
+                      {k: v for k, v in per_rank[0].items() if k not in ("carry", "adversarial")})
         set_rng_state(rank_state)
-        stream.load_state_dict(rank_state.get("data", ckpt["data"]))
-        step, train_acc_ema = ckpt["step"], ckpt["train_acc_ema"]
+        stream.load_state_dict(rank_state["data"])
+        accuracy_tracker = rank_state["accuracy_tracker"]
+        step, train_acc_ema, counters = ckpt["step"], ckpt["train_acc_ema"], ckpt["counters"]
         resumed_seconds = ckpt.get("train_seconds", 0.0)
-        accuracy_tracker = rank_state.get("accuracy_tracker", ckpt["accuracy_tracker"])
-        counters = ckpt["counters"]
         carry = groups_from_plain(rank_state.get("carry", []))  # surplus groups, --keep-surplus
         refresh_rollout_copy()
     if rank == 0 and not args.bench:
@@ -944,18 +946,18 @@ def main(argv=None):
             # What each rank alone holds: its RNGs, its data position (refills draw different
             # numbers of batches on different ranks), its prompts' accuracies, and the groups it
             # carries into the next step.
-            states = [{**rng_state(), "adversarial": task_rng.getstate(), "data": stream.state_dict(),
-                       "accuracy_tracker": accuracy_tracker, "carry": groups_to_plain(carry)}]
+            per_rank = [{**rng_state(), "adversarial": task_rng.getstate(),
+                         "data": stream.state_dict(), "accuracy_tracker": accuracy_tracker,
+                         "carry": groups_to_plain(carry)}]
             if world > 1:
                 gathered = [None] * world
-                dist.all_gather_object(gathered, states[0])
-                states = gathered
+                dist.all_gather_object(gathered, per_rank[0])
+                per_rank = gathered
             if rank == 0:
                 atomic_torch_save({"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
-                                   "scheduler": scheduler.state_dict(), "data": stream.state_dict(),
-                                   "rng": states, "step": step, "train_acc_ema": train_acc_ema,
-                                   "accuracy_tracker": accuracy_tracker, "counters": counters,
-                                   "train_seconds": train_seconds},
+                                   "scheduler": scheduler.state_dict(), "per_rank": per_rank,
+                                   "step": step, "train_acc_ema": train_acc_ema,
+                                   "counters": counters, "train_seconds": train_seconds},
                                   checkpoint_path)
     bar.close()
 

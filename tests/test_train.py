@@ -227,7 +227,7 @@ def test_ddp_resume_is_exact_per_rank(tiny, tmp_path):
     run_train(common + ["--steps", "8", "--out", str(straight)], launcher=torchrun())
     resumed = tmp_path / "resumed"
     run_train(common + ["--steps", "3", "--out", str(resumed)], launcher=torchrun())
-    positions = [s["data"]["step"] for s in torch.load(resumed / "checkpoint.pt")["rng"]]
+    positions = [s["data"]["step"] for s in torch.load(resumed / "checkpoint.pt")["per_rank"]]
     assert positions[0] != positions[1], positions  # the ranks' data positions differ at step 3
     run_train(["--resume", str(resumed), "--steps", "8"], launcher=torchrun())
     assert_same_run(straight, resumed)
