@@ -271,8 +271,15 @@ def main():
     args = parser.parse_args()
     if not args.bench:
         parser.error("nothing to do: pass --bench")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device}: not a device name (cpu, cuda, cuda:1, ...)")
+    if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this torch build or machine has no CUDA device")
+    for name in (args.dtypes or "float32").split(","):
+        if name not in ("float32", "bfloat16", "float16"):
+            parser.error(f"--dtypes: {name!r} is not one of float32, bfloat16, float16")
     bench(args)
 
 

@@ -420,3 +420,15 @@ def test_length_finish(tiny):
     assert all(c.finish_reason == "length" and len(c.tokens) == len(c.logprobs) == 5
                for c in out)
     assert all(math.isfinite(x) and x <= 0 for c in out for x in c.logprobs)
+
+
+@pytest.mark.parametrize("flags, named", [(["--device", "gpu0"], "--device gpu0"),
+                                          (["--dtypes", "fp32"], "--dtypes")])
+def test_bench_flags_are_checked_before_any_work(flags, named):
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "rollout.py"), "--bench"] + flags,
+                          capture_output=True, text=True, cwd=root, timeout=120)
+    assert proc.returncode == 2 and named in proc.stderr and "Traceback" not in proc.stderr
