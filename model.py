@@ -614,7 +614,13 @@ def default_device_dtype(device=None, dtype=None):
 
 
 def cpu_has_bf16() -> bool:
-    """True when this CPU runs bf16 matrix products natively (AVX-512 BF16 or AMX)."""
+    """True when this CPU runs bf16 matrix products natively (AVX-512 BF16 or AMX).
+
+    DAPO_CPU_BF16=1 (or 0) in the environment overrides the detection, to run the other kind of
+    CPU's path here (tests, benches: bf16 still runs on an AVX2-only CPU, emulated and slower)."""
+    forced = os.environ.get("DAPO_CPU_BF16")
+    if forced in ("0", "1"):
+        return forced == "1"
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()

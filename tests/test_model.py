@@ -484,3 +484,15 @@ def test_lora(tiny_ckpt, family):
     assert not any(isinstance(m, LoRALinear) for m in ours.modules())
     with torch.no_grad():
         assert max_diff(ours(ids), adapted) <= TOL
+
+
+def test_cpu_bf16_detection_can_be_forced(monkeypatch):
+    """DAPO_CPU_BF16 runs the other CPU kind's path on this one (the suite is run with both)."""
+    from model import cpu_has_bf16
+    monkeypatch.setenv("DAPO_CPU_BF16", "1")
+    assert cpu_has_bf16() is True
+    monkeypatch.setenv("DAPO_CPU_BF16", "0")
+    assert cpu_has_bf16() is False
+    monkeypatch.delenv("DAPO_CPU_BF16")
+    flags = open("/proc/cpuinfo").read()
+    assert cpu_has_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)

@@ -63,6 +63,7 @@ def tiny(tmp_path_factory):
 
 BASE = ["--prompts-per-step", "4", "--samples", "4", "--max-new-tokens", "3", "--lr", "1e-3",
         "--warmup-steps", "1", "--temperature", "1.0", "--micro-batch-size", "3",
+        "--dtype", "float32",  # tests that want the bf16 path say so; "auto" differs by CPU
         "--overlong-cache", "1", "--time-limit", "0"]
 
 
