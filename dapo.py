@@ -1,20 +1,22 @@
-"""DAPO between rollouts and the loss: advantages, dynamic sampling and its variants, presets.
+"""DAPO between rollouts and the loss: advantages, group filtering and its variants, presets.
 
-DAPO (Yu et al. 2025, arXiv 2503.14476) as four differences from GRPO, each a flag in PRESETS:
+DAPO (Yu et al. 2025, arXiv 2503.14476) changes four things in GRPO, numbered here and in train.py
+in the paper's order (its sections 3.1-3.4), each a flag in PRESETS:
   1. Clip-higher: eps_low 0.2, eps_high 0.28 (eq. 10)                 -> losses.policy_loss
-  2. Dynamic sampling: keep only groups with 0 < #correct < G (eq. 11), refill the batch
-                                                                        -> keep_groups, dynamic_sample
+     (the ratio differs from 1 only after the first of mu updates per step: the paper takes 16)
+  2. Dynamic sampling: keep only groups with 0 < #correct < G (eq. 11) -> keep_groups; train.py
+     samples more prompts until the batch is full or its refill budget is spent
   3. Token-level loss: 1 / sum_i |o_i| over the whole batch (eq. 12)  -> losses.aggregate "token-mean"
-  4. Overlong reward shaping: soft punishment in a cache window (eq. 13) -> rewards.overlong_penalty
+  4. Overlong reward shaping (eq. 13 and §3.4): truncated samples masked, or punished softly in a
+     cache window                                                      -> rewards.overlong_penalty
 and the +1/-1 rule reward (eq. 7), no KL term.
 
 Imports only torch and the standard library, so any function here can be copied out alone.
 
     group_advantages(rewards, group_size, kind, eps)   grpo / dr_grpo / rloo / reinforce_baseline
-    keep_groups(rewards, group_size)                   eq. 11: which groups carry a learning signal
-    classify_group(group)                              "informative" | "all_correct" | "all_wrong"
-    dynamic_sample(sample_groups, want_groups, ...)    fill a batch with informative groups, bounded
-    adversarial_requests(groups)                       which signal-less groups to re-ask, and how
+    whiten(values, moments, eps), moments(values)      batch whitening, exact under DDP
+    keep_groups(correct, group_size)                   eq. 11: which groups carry a learning signal
+    adversarial_requests(correct, group_size)          which signal-less groups to re-ask, and how
     adaptive_num_samples(accuracies, total, ...)       difficulty-adaptive samples per prompt
     update_accuracy(tracker, prompt_id, accuracy)      running per-prompt accuracy (EMA, plain dict)
     efficiency_bonus(correct, lengths, group_size, w)  balanced reasoning: token-efficiency term
@@ -23,14 +25,13 @@ Imports only torch and the standard library, so any function here can be copied 
     PRESETS, PRESET_KEYS, LADDER                       named flag sets (train.py's argparse dests)
 
 `group_size` is everywhere an int (G samples per prompt) or a list of ints (one per prompt, for
-the adaptive budget); rewards are flat (N,), prompt-major.
+the adaptive budget); rewards and correctness flags are flat (N,), prompt-major.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from typing import Callable
 
 import torch
 
@@ -52,7 +53,7 @@ def _group_sizes(num_items: int, group_size) -> list[int]:
 def _group_index(sizes: list[int], device=None) -> torch.Tensor:
     """(N,) the group of each item: [0]*G0 + [1]*G1 + ..."""
     return torch.repeat_interleave(torch.arange(len(sizes), device=device),
-                                   torch.tensor(sizes, device=device))
+                                   torch.tensor(sizes, dtype=torch.long, device=device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,167 +72,100 @@ def group_advantages(rewards, group_size, kind: str = "grpo", eps: float = 1e-6)
         reinforce_baseline  A_i = r_i - mean(r), then whitened over all N (REINFORCE++-baseline)
 
     mean / std are over the completion's own group. A group of one has no baseline: advantage 0.
-    `reinforce_baseline` whitens over the rewards passed in: pass the whole batch (all ranks) for a
-    rank-independent result.
+    A group whose rewards are all equal gets exactly 0 (rounding in the mean would otherwise leave
+    noise of order eps-relative that the std division blows up). fp64 arithmetic; the result has
+    the rewards' floating dtype. `reinforce_baseline` whitens over the rewards passed in; under
+    DDP pass "dr_grpo" here and `whiten` with the moments summed over ranks.
     """
     rewards = torch.as_tensor(rewards)
-    if not rewards.is_floating_point():
-        rewards = rewards.float()
-    sizes = _group_sizes(rewards.numel(), group_size)
-    index = _group_index(sizes, rewards.device)                            # (N,)
-    size = torch.tensor(sizes, dtype=rewards.dtype, device=rewards.device)  # (groups,)
-    group_sum = torch.zeros_like(size).index_add_(0, index, rewards)       # (groups,)
-    centred = rewards - (group_sum / size)[index]                          # (N,) r_i - mean(r)
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    values = rewards.to(torch.float64)                                     # (N,)
+    sizes = _group_sizes(values.numel(), group_size)
+    index = _group_index(sizes, values.device)                             # (N,)
+    size = torch.tensor(sizes, dtype=torch.float64, device=values.device)  # (groups,)
+    group_sum = torch.zeros_like(size).index_add_(0, index, values)        # (groups,)
+    group_max = torch.full_like(size, -math.inf).scatter_reduce(0, index, values, "amax")
+    group_min = torch.full_like(size, math.inf).scatter_reduce(0, index, values, "amin")
+    constant = (group_max == group_min)[index]                             # (N,) all-equal group
+    centred = torch.where(constant, 0.0, values - (group_sum / size)[index])  # (N,) r_i - mean(r)
 
     if kind == "dr_grpo":
-        return centred
-    if kind == "grpo":
+        advantages = centred
+    elif kind == "grpo":
         square_sum = torch.zeros_like(size).index_add_(0, index, centred * centred)  # (groups,)
         std = (square_sum / (size - 1).clamp(min=1)).sqrt()               # (groups,) unbiased
-        return centred / (std[index] + eps)
-    if kind == "rloo":
+        advantages = centred / (std[index] + eps)
+    elif kind == "rloo":
         factor = torch.where(size > 1, size / (size - 1).clamp(min=1), torch.zeros_like(size))
-        return centred * factor[index]
-    if kind == "reinforce_baseline":
-        if centred.numel() < 2:
-            return centred
-        return (centred - centred.mean()) / (centred.std() + eps)
-    raise ValueError(f"unknown advantage kind {kind!r}; expected one of {ADVANTAGE_KINDS}")
+        advantages = centred * factor[index]
+    elif kind == "reinforce_baseline":
+        advantages = whiten(centred, eps=eps)
+    else:
+        raise ValueError(f"unknown advantage kind {kind!r}; expected one of {ADVANTAGE_KINDS}")
+    return advantages.to(out_dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# Dynamic sampling (DAPO eq. 11) and its adversarial variant
-# ---------------------------------------------------------------------------------------------
+def moments(values) -> torch.Tensor:
+    """(3,) fp64: count, sum and sum of squares of `values`; add these over ranks for `whiten`."""
+    values = torch.as_tensor(values, dtype=torch.float64)
+    return torch.stack([torch.tensor(float(values.numel()), dtype=torch.float64),
+                        values.sum(), (values * values).sum()])
 
-def keep_groups(rewards, group_size) -> torch.Tensor:
-    """(groups,) bool: True where a group's rewards are not all equal.
 
-    DAPO eq. 11 keeps groups with 0 < |{o_i | is_equivalent(a, o_i)}| < G; with a reward that is a
-    function of correctness (+1/-1 or 1/0) that is exactly "not all equal". A group whose rewards
-    are all equal has every advantage 0 and gives no gradient (it still counts in a token-mean).
+def whiten(values, batch_moments=None, eps: float = 1e-6) -> torch.Tensor:
+    """values / (std + eps), std the unbiased standard deviation over the whole batch.
+
+    For group-centred advantages (REINFORCE++-baseline) the batch mean is 0 by construction (each
+    group sums to 0), so whitening divides by the std and subtracts nothing: an all-equal group
+    keeps advantage exactly 0. `batch_moments`: `moments` of the whole batch, e.g. summed over
+    ranks (then every rank divides by the same std as one process would); default the values'
+    own. Fewer than 2 values: returned unchanged.
     """
-    rewards = torch.as_tensor(rewards)
-    sizes = _group_sizes(rewards.numel(), group_size)
-    return torch.stack([g.max() > g.min() for g in torch.split(rewards, sizes)]) if sizes \
+    values = torch.as_tensor(values, dtype=torch.float64)
+    count, total, square_total = (moments(values) if batch_moments is None
+                                  else torch.as_tensor(batch_moments, dtype=torch.float64)).tolist()
+    if count < 2:
+        return values
+    variance = max(0.0, (square_total - total * total / count) / (count - 1))
+    return values / (math.sqrt(variance) + eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Group filtering (DAPO eq. 11) and its adversarial variant
+# ---------------------------------------------------------------------------------------------
+
+def keep_groups(correct, group_size) -> torch.Tensor:
+    """(groups,) bool: True where a group carries a learning signal, 0 < #correct < G (eq. 11).
+
+    `correct` (N,): each completion's correctness (bool or 0/1). Any per-completion score works
+    the same way ("not all equal"), but filter on correctness, as DAPO does: with a shaping term
+    (overlong, perplexity) the rewards of an all-wrong group may still differ a little.
+    """
+    values = torch.as_tensor(correct).to(torch.float64)
+    sizes = _group_sizes(values.numel(), group_size)
+    return torch.stack([g.max() > g.min() for g in torch.split(values, sizes)]) if sizes \
         else torch.zeros(0, dtype=torch.bool)
 
 
-def _correct_flags(group: dict) -> list[bool]:
-    """A group's correctness: its "correct" list if present, else reward > 0 (true for the +1/-1
-    rule reward of DAPO eq. 7 and for 1/0 accuracy rewards, also with DAPO's overlong penalty)."""
-    if "correct" in group:
-        return [bool(c) for c in group["correct"]]
-    return [float(r) > 0 for r in group["rewards"]]
-
-
-def classify_group(group: dict) -> str:
-    """"informative" (0 < #correct < G, DAPO eq. 11), "all_correct" or "all_wrong".
-
-    `group` is a dict with "rewards" (list of floats) and optionally "correct" (list of bools).
-    """
-    correct = _correct_flags(group)
-    if len(correct) > 0 and all(correct):
-        return "all_correct"
-    if not any(correct):
-        return "all_wrong"
-    return "informative"
-
-
-def adversarial_requests(groups: list[dict]) -> list[tuple[int, str]]:
+def adversarial_requests(correct, group_size) -> list[tuple[int, str]]:
     """Adversarial dynamic sampling, the policy half (this project's variant).
 
     A group with no learning signal is not just dropped: its prompt is asked again, changed so that
     the policy's answers are likely to disagree. All correct -> "harder" (e.g. an irrelevant
     distractor sentence that leaves the answer unchanged, larger operands); all wrong -> "hint"
-    (e.g. a partial solution). Returns [(index into groups, "harder" | "hint")]; the task supplies
-    the change itself as `transform(group, how)` (see `dynamic_sample`).
+    (e.g. a partial solution). Returns [(group index, "harder" | "hint")]; the task supplies the
+    change itself (data.harder_variant, data.hint_variant).
     """
-    requests = []
-    for index, group in enumerate(groups):
-        kind = classify_group(group)
-        if kind == "all_correct":
+    values = [bool(c) for c in torch.as_tensor(correct).tolist()]
+    requests, start = [], 0
+    for index, size in enumerate(_group_sizes(len(values), group_size)):
+        group = values[start:start + size]
+        if all(group):
             requests.append((index, "harder"))
-        elif kind == "all_wrong":
+        elif not any(group):
             requests.append((index, "hint"))
+        start += size
     return requests
-
-
-def dynamic_sample(sample_groups: Callable[[int, int, list], list[dict]], want_groups: int,
-                   max_rounds: int, *, carry: list[dict] | None = None, keep_surplus: bool = False,
-                   transform: Callable[[dict, str], object] | None = None):
-    """DAPO's dynamic sampling (eq. 11): sample until the batch holds `want_groups` informative
-    groups, within a budget of `max_rounds` sampling rounds (1 + the number of refills).
-
-    sample_groups(round_index, num_missing, prompts) -> list of groups. Called once per round.
-        round_index: 0, 1, ...; num_missing: informative groups still wanted (the sampler decides how
-        many fresh prompts to draw; the paper draws a full batch each round); prompts: prompts to
-        sample in this round before fresh ones (the adversarial variants of the previous round's
-        signal-less groups; [] without `transform`). A group is a dict with at least "rewards"
-        (list of floats), optionally "correct" (list of bools, then eq. 11 is applied to it), and
-        whatever else the task needs (prompt, completions, ...): it is passed through untouched.
-    carry: informative groups kept from the previous step (with keep_surplus); they are used first.
-    keep_surplus: informative groups beyond `want_groups` are dropped (the paper), or carried into
-        the next step's batch (then one step stale; report["surplus_carried"] says how many).
-    transform(group, how) -> prompt or None: the task's adversarial change ("harder" or "hint", see
-        `adversarial_requests`); its prompts are sampled in the next round. None: no adversarial
-        sampling.
-
-    With dynamic sampling off, do not call this: sample once and keep every group (naive GRPO keeps
-    the signal-less groups, whose tokens still count in a token-mean). Rounds are not optimizer
-    steps: step counters and learning-rate schedules count updates, not sampling rounds.
-
-    Never raises on the budget and never loops forever (verl raises when its budget is spent; here
-    the step trains on what it has and the report says so). Returns (kept_groups, report):
-      kept_groups: at most `want_groups` informative groups, carried-in ones first.
-      report: rounds, sampled_groups, informative, kept, carried_in, dropped (signal-less groups),
-        dropped_all_correct, dropped_all_wrong, missing (want_groups - kept), surplus_dropped,
-        surplus_carried, adversarial_prompts (prompts from `transform` handed to the sampler), all
-        ints; and "carry": the list of groups to pass as `carry=` next step (pop it before logging).
-    """
-    carry = list(carry or [])
-    kept = carry[:want_groups]                       # stale by one step: use them before they age
-    report = {"rounds": 0, "sampled_groups": 0, "informative": 0, "kept": 0,
-              "carried_in": len(kept), "dropped": 0, "dropped_all_correct": 0,
-              "dropped_all_wrong": 0, "missing": 0, "surplus_dropped": len(carry) - len(kept),
-              "surplus_carried": 0, "adversarial_prompts": 0}
-    surplus: list[dict] = []
-    prompts: list = []
-    for round_index in range(max_rounds):
-        if len(kept) >= want_groups:
-            break
-        groups = sample_groups(round_index, want_groups - len(kept), prompts)
-        report["rounds"] += 1
-        report["sampled_groups"] += len(groups)
-        signal_less = []
-        for group in groups:
-            kind = classify_group(group)
-            if kind != "informative":
-                signal_less.append(group)
-                report["dropped"] += 1
-                report[f"dropped_{kind}"] += 1
-                continue
-            report["informative"] += 1
-            if len(kept) < want_groups:
-                kept.append(group)
-            else:
-                surplus.append(group)
-        # Adversarial variant: re-ask this round's signal-less prompts, changed, in the next round
-        # (only if there is a next round and the batch is not full yet).
-        prompts = []
-        if transform is not None and len(kept) < want_groups and round_index + 1 < max_rounds:
-            for index, how in adversarial_requests(signal_less):
-                new_prompt = transform(signal_less[index], how)
-                if new_prompt is not None:
-                    prompts.append(new_prompt)
-            report["adversarial_prompts"] += len(prompts)
-
-    next_carry = surplus if keep_surplus else []
-    report["surplus_carried"] = len(next_carry)
-    report["surplus_dropped"] += len(surplus) - len(next_carry)
-    report["kept"] = len(kept)
-    report["missing"] = max(0, want_groups - len(kept))
-    report["carry"] = next_carry
-    return kept, report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,29 +321,31 @@ PRESET_KEYS = {
     "algo", "adv_estimator", "loss_agg", "eps_low", "eps_high", "clip_c", "entropy_coef",
     # reward
     "correct_reward", "wrong_reward", "overlong_filter", "overlong_penalty", "overlong_cache",
-    "ppl_penalty", "ppl_threshold", "ppl_window", "efficiency_weight",
+    "ppl_penalty", "ppl_threshold", "ppl_window", "efficiency_weight", "format_reward",
+    "format_weight",
     # sampling
     "dynamic_sampling", "max_refills", "keep_surplus", "adversarial", "adaptive_budget",
     "temperature", "top_p",
     # regularisation toward the reference
     "kl", "kl_coef", "gkl_alpha", "gkl_beta", "gkl_gamma", "gkl_temperature", "gkl_weight_temperature",
     # DPO
-    "dpo_beta",
+    "dpo_beta", "dpo_pairs",
     # optimisation
-    "lr", "warmup_steps", "weight_decay", "grad_clip",
+    "lr", "warmup_steps", "weight_decay", "grad_clip", "mini_batches", "tis_cap",
 }
 
 # DAPO's run (paper §4.1): AdamW, lr 1e-6 constant after a 20-step warm-up, weight decay 0.1, grad
 # clip 1.0, eps 0.2 / 0.28, dual-clip c = 10, token-level loss, dynamic sampling, soft overlong
-# punishment with a 4,096-token cache (on a 20,480 budget: scale the cache to your budget), no KL,
-# no entropy bonus, +1/-1 rule reward (eq. 7), sampling at temperature 1.0.
+# punishment with a 4,096-token cache on a 20,480-token budget (a fifth: the cache is a fraction of
+# the budget here), no KL, no entropy bonus, +1/-1 rule reward (eq. 7), sampling at temperature
+# 1.0, and 512 prompts x 16 samples per step in mini-batches of 512 samples: 16 updates per step.
 _DAPO = {
     "algo": "pg", "adv_estimator": "grpo", "loss_agg": "token-mean",
     "eps_low": 0.2, "eps_high": 0.28, "clip_c": 10.0, "entropy_coef": 0.0,
     "correct_reward": 1.0, "wrong_reward": -1.0,
-    "overlong_filter": False, "overlong_penalty": True, "overlong_cache": 4096,
-    "ppl_penalty": False, "efficiency_weight": 0.0,
-    "dynamic_sampling": True, "max_refills": 10, "keep_surplus": False,
+    "overlong_filter": False, "overlong_penalty": True, "overlong_cache": 0.2,
+    "ppl_penalty": "off", "efficiency_weight": 0.0, "format_reward": "none",
+    "dynamic_sampling": True, "max_refills": 10, "keep_surplus": False, "mini_batches": 16,
     "adversarial": False, "adaptive_budget": False,
     "kl": "none", "kl_coef": 0.0,
     "lr": 1e-6, "warmup_steps": 20, "weight_decay": 0.1, "grad_clip": 1.0,
@@ -422,11 +358,12 @@ _BASELINE = {
     "correct_reward": 1.0, "wrong_reward": -1.0,
     "dynamic_sampling": False, "overlong_filter": False, "overlong_penalty": False,
     "kl": "none", "kl_coef": 0.0, "adversarial": False, "adaptive_budget": False,
-    "ppl_penalty": False, "efficiency_weight": 0.0, "entropy_coef": 0.0,
+    "ppl_penalty": "off", "efficiency_weight": 0.0, "entropy_coef": 0.0, "format_reward": "none",
 }
 
 # DAPO Table 1, replayable on any model and task: each step adds one component to the one before.
-# KL is off throughout (DAPO §2.3 removes it). The training hyper-parameters are left to train.py
+# KL is off throughout (DAPO §2.3 removes it). Every rung takes the paper's 16 updates per step
+# (at one update the ratio is 1 and rung 2, clip-higher, would change nothing). The training hyper-parameters are left to train.py
 # (so the ladder runs at any scale); clip_c stays None (dual-clip is not a rung). Hence
 # ladder-5 == dapo except clip_c (None vs 10) and lr / warmup / weight decay / grad clip /
 # temperature / top_p, which the ladder does not set. Rung 3 swaps overlong filtering for the soft
@@ -437,15 +374,15 @@ _LADDER_0 = {
     "eps_low": 0.2, "eps_high": 0.2, "clip_c": None, "entropy_coef": 0.0,
     "correct_reward": 1.0, "wrong_reward": -1.0,
     "overlong_filter": False, "overlong_penalty": False,
-    "ppl_penalty": False, "efficiency_weight": 0.0,
+    "ppl_penalty": "off", "efficiency_weight": 0.0, "format_reward": "none",
     "dynamic_sampling": False, "adversarial": False, "adaptive_budget": False,
-    "kl": "none", "kl_coef": 0.0,
+    "kl": "none", "kl_coef": 0.0, "mini_batches": 16,
 }
 LADDER = [  # (preset name, the flags this rung changes relative to the previous rung)
     ("ladder-0-naive-grpo", {}),
     ("ladder-1-overlong-filtering", {"overlong_filter": True}),
     ("ladder-2-clip-higher", {"eps_high": 0.28}),
-    ("ladder-3-soft-overlong", {"overlong_filter": False, "overlong_penalty": True, "overlong_cache": 4096}),
+    ("ladder-3-soft-overlong", {"overlong_filter": False, "overlong_penalty": True, "overlong_cache": 0.2}),
     ("ladder-4-token-level-loss", {"loss_agg": "token-mean"}),
     ("ladder-5-dynamic-sampling", {"dynamic_sampling": True, "max_refills": 10, "keep_surplus": False}),
 ]
@@ -470,19 +407,27 @@ PRESETS: dict[str, dict] = {
     "rloo": {**_BASELINE, "adv_estimator": "rloo"},
     "reinforce_baseline": {**_BASELINE, "adv_estimator": "reinforce_baseline"},
     # DPO on correct-vs-incorrect pairs of the same prompt (dpo_pairs), against a frozen reference.
-    "dpo": {"algo": "dpo", "dpo_beta": 0.1, "correct_reward": 1.0, "wrong_reward": -1.0,
-            "dynamic_sampling": False, "overlong_filter": False, "overlong_penalty": False,
-            "kl": "none", "kl_coef": 0.0, "lr": 1e-6, "temperature": 1.0, "top_p": 1.0},
+    "dpo": {"algo": "dpo", "dpo_beta": 0.1, "dpo_pairs": "full", "correct_reward": 1.0,
+            "wrong_reward": -1.0, "dynamic_sampling": False, "overlong_filter": False,
+            "overlong_penalty": False, "kl": "none", "kl_coef": 0.0, "lr": 1e-6,
+            "temperature": 1.0, "top_p": 1.0},
+    # Step-DPO (Lai et al. 2024, arXiv 2406.18629): the same pairs, the loss on the first step
+    # (line) where the correct and the wrong completion part ways (step_dpo_pairs).
+    "step-dpo": {"algo": "dpo", "dpo_beta": 0.1, "dpo_pairs": "step", "correct_reward": 1.0,
+                 "wrong_reward": -1.0, "dynamic_sampling": False, "overlong_filter": False,
+                 "overlong_penalty": False, "kl": "none", "kl_coef": 0.0, "lr": 1e-6,
+                 "temperature": 1.0, "top_p": 1.0},
     **_ladder(),
     # The proposed changes, each on top of DAPO. Coefficients are starting points, not tuned.
     "dapo-gkl": {**_DAPO, "kl": "gkl", "kl_coef": 0.01, "gkl_alpha": 1.0, "gkl_beta": 1.0,
                  "gkl_gamma": 1.0, "gkl_temperature": 1.0, "gkl_weight_temperature": 1.0},
     "dapo-adversarial": {**_DAPO, "adversarial": True},
-    # Soft perplexity penalty beside the overlong one (DAPO eq. 13 in shape; rewards.py's
-    # perplexity_penalty computes it). Units are the completion's mean per-token NLL in nats (log
+    # A soft perplexity penalty in place of the soft overlong punishment (DAPO eq. 13 in shape;
+    # rewards.perplexity_penalty). Units are the completion's mean per-token NLL in nats (log
     # perplexity): 0 up to perplexity 4, falling linearly to -1 at log 4 + log 4 (perplexity 16).
-    "dapo-ppl": {**_DAPO, "ppl_penalty": True, "ppl_threshold": math.log(4.0),
-                 "ppl_window": math.log(4.0)},
+    # `--ppl-penalty beside` keeps both.
+    "dapo-ppl": {**_DAPO, "ppl_penalty": "replace", "overlong_penalty": False,
+                 "ppl_threshold": math.log(4.0), "ppl_window": math.log(4.0)},
     "dapo-adaptive-budget": {**_DAPO, "adaptive_budget": True},
     "dapo-balanced": {**_DAPO, "efficiency_weight": 0.1},
 }

@@ -50,7 +50,8 @@ held out (chosen by a hash of the problem, so the same for every seed and every 
 training never samples them.
 
 Prompt templates (`format_prompt(record, tokenizer, template)`): "dapo" (the DAPO paper's
-instruction), "boxed" (step by step, answer in \\boxed{}), "none" (the bare problem), all through
+instruction), "boxed" (step by step, answer in \\boxed{}), "xml" (a system prompt asking for
+<reasoning>...</reasoning> then <answer>...</answer>), "none" (the bare problem), all through
 the tokenizer's chat template; "plain-question" is the plain text "Question: ...\\nAnswer:", which
 is also what any template becomes for a tokenizer without a chat template (a base model).
 
@@ -74,7 +75,9 @@ DAPO_INSTRUCTION = (
 )
 DAPO_REMINDER = '\n\nRemember to put your answer on its own line after "Answer:".'
 BOXED_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-TEMPLATES = ("dapo", "boxed", "plain-question", "none")
+# The system prompt of the XML recipe for GSM8K (rewards.xml_terms grades the format).
+XML_FORMAT = "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"
+TEMPLATES = ("dapo", "boxed", "xml", "plain-question", "none")
 
 # name -> (hub id, config, split or None when the split argument picks it)
 HUB_DATASETS = {
@@ -664,6 +667,9 @@ def format_prompt(record, tokenizer, template="dapo"):
         messages = [{"role": "user", "content": DAPO_INSTRUCTION + record["prompt"] + DAPO_REMINDER}]
     elif template == "boxed":
         messages = [{"role": "user", "content": record["prompt"] + BOXED_INSTRUCTION}]
+    elif template == "xml":
+        messages = [{"role": "system", "content": XML_FORMAT},
+                    {"role": "user", "content": record["prompt"]}]
     else:
         messages = [{"role": "user", "content": record["prompt"]}]
     if template == "plain-question" or getattr(tokenizer, "chat_template", None) is None:

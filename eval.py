@@ -16,12 +16,13 @@
 arithmetic[:key=value,...] (synthetic; split "test" is its fixed held-out set, 200 problems unless
 --limit says otherwise), or a local .jsonl/.json/.parquet file with the hub's field names.
 
-How one evaluation runs (`evaluate`, which train.py also calls on its live model):
+How one evaluation runs (`evaluate`):
 1. Each problem is formatted with data.format_prompt. The template defaults by data: the bare
    question ("none") for the synthetic `arithmetic` task, which is how its numbers were measured
    and how train.py prompts it; the DAPO "Answer:" instruction ("dapo") for everything else.
 2. Prompts are sorted by length (less padding) and sampled in batches of --batch-size prompts x k
-   samples with rollout.generate, stopping at the tokenizer's end tokens (`stop_token_ids`).
+   samples with rollout.generate, stopping at the tokenizer's end tokens
+   (`rollout.stop_token_ids`).
 3. Every response is decoded and scored with rewards.is_correct against the ground truth.
 
 Metrics (per problem i with c_i correct of n = k samples, then averaged over the N problems):
@@ -72,9 +73,6 @@ import rollout
 
 DEFAULT_ROWS = 64  # prompts x samples per generate call when --batch-size is not given
 BUNDLED_NAME = "bundled:SmolLM2-135M-Instruct"
-# End-of-turn tokens of common chat templates (ChatML/Qwen/SmolLM, Llama 3, Phi-3, Gemma). The
-# model ends its turn with one; a tokenizer's eos is often the base model's end-of-text instead.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -135,39 +133,6 @@ def summarize(results, k):
 
 # ----------------------------------------------------------------------------- generation
 
-def stop_token_ids(tokenizer, model_dir=None):
-    """Token ids that end a response: the tokenizer's eos, the eos ids of the checkpoint's
-    generation_config.json (read from `model_dir`, or the tokenizer's own directory), and the
-    end-of-turn tokens (END_OF_TURN_TOKENS) that its chat template writes."""
-    ids = set()
-
-    def add(value):
-        for token_id in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(token_id, int) and token_id >= 0:
-                ids.add(token_id)
-
-    add(tokenizer.eos_token_id)
-    directory = model_dir or getattr(tokenizer, "name_or_path", None)
-    config_path = os.path.join(str(directory), "generation_config.json") if directory else None
-    if config_path and os.path.isfile(config_path):
-        try:
-            with open(config_path) as f:
-                add(json.load(f).get("eos_token_id"))
-        except (OSError, ValueError):
-            pass  # a broken generation config only costs the extra stop ids
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # some tokenizers keep several named templates
-        template = "\n".join(t for t in template.values() if isinstance(t, str))
-    if isinstance(template, str):
-        vocab = tokenizer.get_vocab()
-        for token in END_OF_TURN_TOKENS:
-            if token in template and token in vocab:
-                add(vocab[token])
-    if not ids:
-        raise ValueError("stop_token_ids: the tokenizer has no eos token and no end-of-turn token")
-    return sorted(ids)
-
-
 def _uses_plain_prompt(tokenizer, template):
     return template == "plain-question" or getattr(tokenizer, "chat_template", None) is None
 
@@ -187,7 +152,7 @@ def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_
     model: a model.Transformer (a DDP wrapper is unwrapped), used as it is (never reloaded; its
     train/eval mode is restored afterwards). records: data.load_records records. batch_size:
     prompts per generate call (default: DEFAULT_ROWS // k, at least 1). stop_ids: default
-    `stop_token_ids(tokenizer)`. The summary holds n, k, pass@1, avg@k, pass@k, maj@k,
+    `rollout.stop_token_ids(tokenizer)`. The summary holds n, k, pass@1, avg@k, pass@k, maj@k,
     mean_length, truncated, temperature, top_p, max_new_tokens, template, seconds, tokens_per_s;
     the per-problem list follows the order of `records`.
     """
@@ -201,7 +166,7 @@ def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_
         raise ValueError(f"evaluate: k={k} greedy samples would all be the same; use a "
                          "temperature > 0 with k > 1")
     model = getattr(model, "module", model)
-    stop_ids = stop_token_ids(tokenizer) if stop_ids is None else list(stop_ids)
+    stop_ids = rollout.stop_token_ids(tokenizer) if stop_ids is None else list(stop_ids)
     batch_size = batch_size or max(1, DEFAULT_ROWS // k)
     plain = _uses_plain_prompt(tokenizer, template)
     prompts = [data.format_prompt(record, tokenizer, template) for record in records]

@@ -4,6 +4,7 @@ Imports only torch and the standard library, so any function here can be copied 
 
     policy_loss(logp, old_logp, advantages, mask, ...)  PPO/GRPO/DAPO clipped surrogate (clip-higher,
                                                        dual-clip), aggregated -> (loss, stats)
+    tis_weights(old_logp, sampler_logp, cap)           truncated importance sampling weights
     aggregate(per_token, mask, agg, ...)               the four aggregation modes, with global divisors
     micro_batch_divisors(masks, group_ids, ...)        the global divisors of a mini-batch, computed
                                                        once before its micro-batches (all-reduced)
@@ -215,10 +216,23 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
     raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3")
 
 
+def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings
+    you off-policy RL training"): w_t = min(pi_old(o_t) / pi_sampler(o_t), C), no gradient.
+
+    When rollouts come from another engine or precision than the trainer (here a bf16 copy of the
+    policy), the samples follow pi_sampler while the objective assumes pi_old; w_t corrects that
+    mismatch, and the cap C bounds its variance. (B, T) log-probs in, (B, T) weights out.
+    """
+    if not cap > 0:
+        raise ValueError(f"the TIS cap must be > 0, got {cap}")
+    return torch.exp(old_logp.detach() - sampler_logp.detach()).clamp(max=cap)
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 *, eps_low: float = 0.2, eps_high: float = 0.28, clip_c: float | None = None,
                 agg: str = "token-mean", num_tokens=None, max_tokens=None, num_seqs=None,
-                group_ids=None, group_token_counts=None, num_groups=None):
+                group_ids=None, group_token_counts=None, num_groups=None, token_weights=None):
     """The clipped surrogate of PPO with DAPO's decoupled clip (clip-higher) and optional dual-clip.
 
     logp, old_logp, mask: (B, T) (token log-probs under the policy being trained, under the policy
@@ -229,7 +243,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         dual-clip (Ye et al. 2020, arXiv 1912.09729), A_t < 0:  objective_t = max(objective_t, c A_t)
         loss_t = -objective_t          (for A_t < 0 dual-clip caps loss_t at -c A_t)
 
-    then aggregated by `agg` (see `aggregate`). The divisor arguments num_tokens, num_seqs,
+    times `token_weights` (B, T) when given (no gradient: e.g. `tis_weights`), then aggregated by
+    `agg` (see `aggregate`). The divisor arguments num_tokens, num_seqs,
     max_tokens, group_token_counts, num_groups (or group_ids) are those of the WHOLE mini-batch
     across micro-batches and ranks: get them from `micro_batch_divisors` and pass `**divisors`;
     then the sum of the micro-batch losses and gradients is the mini-batch's, exactly. Left out,
@@ -263,6 +278,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         dual = torch.maximum(objective, clip_c * advantages)              # (B, T)  max(., c A_t)
         objective = torch.where(advantages < 0, dual, objective)          # (B, T)
     per_token_loss = -objective                                           # (B, T)
+    if token_weights is not None:
+        per_token_loss = per_token_loss * token_weights.detach()          # (B, T)
 
     loss = aggregate(per_token_loss, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
                      max_tokens=max_tokens, group_ids=group_ids,
@@ -445,7 +462,7 @@ def gkl_loss(logits: torch.Tensor, ref_logits: torch.Tensor, mask: torch.Tensor,
         KL   = KL(softmax(o_ref / T) || softmax(o / T))
         GKL  = alpha * KL + beta * wMSE
 
-    Decisions (they make DESIGN.md's V = 5 test vectors hold):
+    Decisions (tests/test_losses.py checks them on hand-computed V = 5 vectors):
       * d uses the RAW logits, not logits / T; only the KL part and the weights see temperatures.
       * KL is not multiplied by T^2.
       * the MSE is the centred O(V) form: never the V x V matrix of the authors' code, and not

@@ -11,11 +11,12 @@ Extraction (`extract_answer`), first rule that yields a non-empty answer wins:
      after the colon may run onto the next line). DAPO's regex also matches mid-sentence; we do
      not, so prose like "check our answer: ..." is not taken. A box on that line is unwrapped
      ("Answer: $\\boxed{5}$" gives "5").
-  2. The last balanced `\\boxed{...}` or `\\fbox{...}` (nested braces, `\\{` `\\}` escapes), or
+  2. The content of the last closed `<answer>...</answer>` (the XML format of GRPO recipes).
+  3. The last balanced `\\boxed{...}` or `\\fbox{...}` (nested braces, `\\{` `\\}` escapes), or
      `\\boxed 5`; a box longer than MAX_ANSWER_CHARS is not an answer; the last
      MAX_BOX_CANDIDATES boxes are looked at.
-  3. GSM8K's "#### X": the last one, rest of that line.
-  4. The last number in the text (integers, 1,000-style, decimals, a/b).
+  4. GSM8K's "#### X": the last one, rest of that line.
+  5. The last number in the text (integers, 1,000-style, decimals, a/b).
 Only the last MAX_SCAN_CHARS characters are read: the answer sits at the end of a completion, and
 reading a fixed-size tail makes every later step cost the same on a 100 kB string as on a 10 kB
 one. Answers longer than MAX_ANSWER_CHARS are not normalised, only compared exactly.
@@ -55,7 +56,7 @@ from itertools import accumulate, repeat
 
 __all__ = [
     "extract_answer", "normalize_answer", "is_correct", "overlong_penalty", "perplexity_penalty",
-    "format_reward", "math_reward", "FORMAT_STYLES",
+    "format_reward", "xml_terms", "math_reward", "FORMAT_STYLES",
 ]
 
 MAX_SCAN_CHARS = 8192  # tail of a completion read for extraction (a few thousand tokens)
@@ -168,6 +169,16 @@ def _answer_line(s: str) -> str | None:
     return None
 
 
+def _answer_tag(s: str) -> str | None:
+    """Content of the last closed <answer>...</answer> (the XML format of common GRPO recipes)."""
+    end = s.rfind("</answer>")
+    start = s.rfind("<answer>", 0, end) if end >= 0 else -1
+    if start < 0:
+        return None
+    content = s[start + len("<answer>"):end].strip()
+    return (_last_box(content) or content) if content else None
+
+
 def _gsm8k_line(s: str) -> str | None:
     found = _GSM8K_RE.findall(s)
     return found[-1].strip() if found else None
@@ -184,7 +195,8 @@ def _last_number(s: str) -> str | None:
 def extract_answer(text: str) -> str | None:
     """The final answer written in `text`, or None. Never raises.
 
-    Priority: "Answer: X" (last) > \\boxed{X} / \\fbox{X} (last) > "#### X" (last) > last number.
+    Priority: "Answer: X" (last) > <answer>X</answer> (last) > \\boxed{X} / \\fbox{X} (last) >
+    "#### X" (last) > last number.
     Only the last MAX_SCAN_CHARS characters are read. The answer is returned as written (after
     Unicode clean-up), not normalised: `normalize_answer` / `is_correct` do that.
     """
@@ -192,7 +204,7 @@ def extract_answer(text: str) -> str | None:
         if not isinstance(text, str):
             return None
         tail = _clean(text[-MAX_SCAN_CHARS:])[-MAX_SCAN_CHARS:]  # clean-up may lengthen it
-        for rule in (_answer_line, _last_box, _gsm8k_line, _last_number):
+        for rule in (_answer_line, _answer_tag, _last_box, _gsm8k_line, _last_number):
             ans = rule(tail)
             if ans:
                 return ans
@@ -539,8 +551,7 @@ def perplexity_penalty(mean_nll: float, threshold: float, window: float) -> floa
 # ---------------------------------------------------------------------------------------------
 # Format terms (as in common GRPO recipes)
 
-FORMAT_STYLES = ("answer", "think", "think-strict", "think-soft")
-_THINK_SEP = "\n</think>\n<answer>\n"
+FORMAT_STYLES = ("answer", "think", "think-strict", "think-soft", "xml")
 
 
 def _format_style(style) -> str:
@@ -550,16 +561,17 @@ def _format_style(style) -> str:
     return "think-strict" if s == "think" else s
 
 
-def _think_strict(s: str) -> bool:
-    # The recipe regex ^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$ with each tag once,
+def _two_tag_strict(s: str, first: str) -> bool:
+    # The recipes' regex ^<first>\n.*?\n</first>\n<answer>\n.*?\n</answer>$ with each tag once,
     # checked with str.find / count (linear; the lazy regex backtracks quadratically).
+    opening, separator = f"<{first}>\n", f"\n</{first}>\n<answer>\n"
     s = s.strip()
-    if not (s.startswith("<think>\n") and s.endswith("\n</answer>")):
+    if not (s.startswith(opening) and s.endswith("\n</answer>")):
         return False
-    if any(s.count(tag) != 1 for tag in ("<think>", "</think>", "<answer>", "</answer>")):
+    if any(s.count(tag) != 1 for tag in (f"<{first}>", f"</{first}>", "<answer>", "</answer>")):
         return False
-    i = s.find(_THINK_SEP)
-    return i >= len("<think>\n") and i + len(_THINK_SEP) <= len(s) - len("\n</answer>")
+    i = s.find(separator)
+    return i >= len(opening) and i + len(separator) <= len(s) - len("\n</answer>")
 
 
 def _think_soft(s: str) -> bool:
@@ -575,8 +587,9 @@ def format_reward(response: str, style: str = "answer") -> float:
     "answer": the last non-empty line is "Answer: ..." (DAPO's prompt asks for it; "**Answer:**"
       and "Final answer:" count). "think" / "think-strict": exactly
       "<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>", each tag once, surrounding blank space
-      ignored. "think-soft": <think>, </think>, <answer>, </answer> present in that order.
-    An unknown style is a ValueError (a caller's bug, not hostile text).
+      ignored. "think-soft": <think>, </think>, <answer>, </answer> present in that order. "xml":
+      the same strict form with <reasoning> in place of <think> (data.py's "xml" template asks
+      for it). An unknown style is a ValueError (a caller's bug, not hostile text).
     """
     style = _format_style(style)
     try:
@@ -587,13 +600,37 @@ def format_reward(response: str, style: str = "answer") -> float:
             line = tail[tail.rfind("\n") + 1:]
             m = _ANSWER_RE.match(line)  # the same "Answer:" line that extraction reads
             ok = m is not None and line[m.end():].strip(" \t*") != ""
-        elif style == "think-strict":
-            ok = _think_strict(response)
+        elif style in ("think-strict", "xml"):
+            ok = _two_tag_strict(response, "think" if style == "think-strict" else "reasoning")
         else:
             ok = _think_soft(response)
         return 1.0 if ok else 0.0
     except Exception:
         return 0.0
+
+
+def xml_terms(response: str) -> dict[str, float]:
+    """The two extra terms of the XML recipe for GSM8K (GRPO on "<reasoning>/<answer>"):
+
+      integer:    1.0 when the last <answer>...</answer> holds an integer (GSM8K's answers are),
+      xml_count:  0.125 for each of "<reasoning>\\n", "\\n</reasoning>\\n", "\\n<answer>\\n" and
+                  "\\n</answer>" present exactly once, minus 0.001 per character written after the
+                  closing answer tag (a model that keeps talking after its answer loses a little).
+
+    Never raises on the response; the bounds of both are [0, 1] and [-inf, 0.5].
+    """
+    try:
+        if not isinstance(response, str):
+            return {"integer": 0.0, "xml_count": 0.0}
+        answer = _answer_tag(response[-MAX_SCAN_CHARS:]) or ""
+        count = 0.125 * sum(response.count(tag) == 1 for tag in
+                            ("<reasoning>\n", "\n</reasoning>\n", "\n<answer>\n", "\n</answer>"))
+        close = response.rfind("\n</answer>")
+        if close >= 0:
+            count -= 0.001 * len(response[close + len("\n</answer>"):].rstrip("\n"))
+        return {"integer": 1.0 if re.fullmatch(r"-?[0-9]+", answer) else 0.0, "xml_count": count}
+    except Exception:
+        return {"integer": 0.0, "xml_count": 0.0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -615,11 +652,14 @@ def math_reward(
     ppl_threshold: float | None = None,
     ppl_window: float | None = None,
 ) -> tuple[float, dict[str, float]]:
-    """Reward of one completion and its components; reward = correct + format + overlong + ppl.
+    """Reward of one completion and its components; the reward is the sum of the terms
+    correct + format + integer + xml_count + overlong + ppl.
 
     components: "correct" (`correct` or `wrong`, DAPO eq. 7), "accuracy" (1.0 / 0.0),
-    "format" (format_weight * format_ok), "format_ok" (1.0 / 0.0), "overlong" (DAPO eq. 13),
-    "ppl" (this project's perplexity penalty). Terms that are off are 0.0.
+    "format" (format_weight * format_ok), "format_ok" (1.0 / 0.0), with format_style "xml" also
+    "integer" (format_weight * an integer answer) and "xml_count" (see `xml_terms`), "overlong"
+    (DAPO eq. 13), "ppl" (this project's perplexity penalty). Terms that are off are 0.0. The XML
+    recipe for GSM8K is format_style "xml", format_weight 0.5, correct 2.0, wrong 0.0.
     The overlong term is on when max_len or cache_len is given (then length, max_len and cache_len
     are all required); the perplexity term when ppl_threshold or ppl_window is given (then
     mean_nll, ppl_threshold and ppl_window are required). Bad arguments raise ValueError; the
@@ -644,12 +684,17 @@ def math_reward(
     ok = is_correct(response, truth)
     # DAPO eq. 7: R(y_hat, y) = 1 if is_equivalent(y_hat, y) else -1
     c = {"correct": r_correct if ok else r_wrong, "accuracy": 1.0 if ok else 0.0,
-         "format": 0.0, "format_ok": 0.0, "overlong": 0.0, "ppl": 0.0}
+         "format": 0.0, "format_ok": 0.0, "integer": 0.0, "xml_count": 0.0, "overlong": 0.0,
+         "ppl": 0.0}
     if style is not None:
         c["format_ok"] = format_reward(response, style)
         c["format"] = w_format * c["format_ok"]
+    if style == "xml":
+        terms = xml_terms(response)
+        c["integer"], c["xml_count"] = w_format * terms["integer"], terms["xml_count"]
     if use_overlong:
         c["overlong"] = overlong_penalty(length, max_len, cache_len)
     if use_ppl:
         c["ppl"] = perplexity_penalty(mean_nll, ppl_threshold, ppl_window)
-    return c["correct"] + c["format"] + c["overlong"] + c["ppl"], c
+    total = c["correct"] + c["format"] + c["integer"] + c["xml_count"] + c["overlong"] + c["ppl"]
+    return total, c

@@ -24,6 +24,8 @@ fraction of the matmul-only bound. Tests: `python -m pytest tests/test_rollout.p
 """
 
 import argparse
+import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -40,6 +42,44 @@ class Completion:
     tokens: list[int]  # generated tokens, ending with the stop token when one was produced
     logprobs: list[float] = field(repr=False)  # one per generated token
     finish_reason: str  # "stop" or "length"
+
+
+# End-of-turn tokens of common chat templates (ChatML/Qwen/SmolLM, Llama 3, Phi-3, Gemma). The
+# model ends its turn with one; a tokenizer's eos is often the base model's end-of-text instead.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+
+
+def stop_token_ids(tokenizer, model_dir=None):
+    """Token ids that end a response: the tokenizer's eos, the eos ids of the checkpoint's
+    generation_config.json (read from `model_dir`, or the tokenizer's own directory), and the
+    end-of-turn tokens (END_OF_TURN_TOKENS) that its chat template writes."""
+    ids = set()
+
+    def add(value):
+        for token_id in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(token_id, int) and token_id >= 0:
+                ids.add(token_id)
+
+    add(tokenizer.eos_token_id)
+    directory = model_dir or getattr(tokenizer, "name_or_path", None)
+    config_path = os.path.join(str(directory), "generation_config.json") if directory else None
+    if config_path and os.path.isfile(config_path):
+        try:
+            with open(config_path) as f:
+                add(json.load(f).get("eos_token_id"))
+        except (OSError, ValueError):
+            pass  # a broken generation config only costs the extra stop ids
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # some tokenizers keep several named templates
+        template = "\n".join(t for t in template.values() if isinstance(t, str))
+    if isinstance(template, str):
+        vocab = tokenizer.get_vocab()
+        for token in END_OF_TURN_TOKENS:
+            if token in template and token in vocab:
+                add(vocab[token])
+    if not ids:
+        raise ValueError("stop_token_ids: the tokenizer has no eos token and no end-of-turn token")
+    return sorted(ids)
 
 
 def sample_tokens(logits, uniforms, temperature=1.0, top_p=1.0, top_k=0):

@@ -1,32 +1,37 @@
 """Train a language model with DAPO (or GRPO, Dr. GRPO, RLOO, REINFORCE-baseline, DPO) on math.
 
-    python train.py                                   # the offline default: bundled SmolLM2-135M,
-                                                      # synthetic arithmetic, ~25 minutes on a CPU
+    python train.py                       # the offline default: bundled SmolLM2-135M-Instruct,
+                                          # synthetic arithmetic, on a laptop CPU (README: timings)
     python train.py --preset dapo --model Qwen/Qwen2.5-0.5B-Instruct --data gsm8k --max-new-tokens 1024
     torchrun --nproc_per_node 8 train.py --preset dapo --model Qwen/Qwen2.5-1.5B-Instruct \\
-        --data dapo-math-17k --prompts-per-step 512 --samples 16 --mini-batches 16 --max-new-tokens 4096
-    python train.py --resume runs/NAME                # continue a run exactly where it stopped
-    python train.py --bench                           # seconds per step: rollout / scoring / update
+        --data dapo-math-17k --prompts-per-step 512 --samples 16 --max-new-tokens 4096
+    python train.py --resume runs/NAME    # continue a run exactly where it stopped
+    python train.py --plot runs/NAME      # its learning curve, runs/NAME/curve.png
+    python train.py --bench               # seconds per step: rollout / scoring / update
 
-DAPO (Yu et al. 2025, arXiv 2503.14476) as differences from GRPO (Shao et al. 2024), in the order
-one training step below applies them:
-  1. Rule reward +1 / -1 (eq. 7), optionally plus the soft overlong punishment (eq. 13).
-  2. Dynamic sampling (eq. 11): groups whose G rewards are all equal carry no gradient; drop them
-     and sample more prompts until the batch is full or the refill budget is spent.
-  3. Group-normalised advantages, as GRPO (eq. 9).
-  4. Clip-higher (eq. 10): eps_low 0.2, eps_high 0.28, so unlikely tokens can still grow.
-  5. Token-level loss (eq. 12): the sum over every token of the mini-batch divided by the number of
-     those tokens, not a mean of per-sequence means. Exact here under gradient accumulation and
-     DDP: the token count is summed over micro-batches and all-reduced over ranks before backward.
-  6. No KL term (optional here: k1/k2/k3 or GKL against a reference).
+DAPO (Yu et al. 2025, arXiv 2503.14476) is GRPO (Shao et al. 2024, arXiv 2402.03300) with a rule
+reward (eq. 7), no KL term, and four changes, numbered as in dapo.py (the paper's order):
+  1. Clip-higher (eq. 10): eps_low 0.2, eps_high 0.28. The ratio leaves 1 only after the first of
+     the mu updates of a step, so this acts only with --mini-batches > 1 (the paper takes 16).
+  2. Dynamic sampling (eq. 11): drop the groups whose G answers are all right or all wrong, and
+     sample more prompts until the batch is full or --max-refills rounds are spent.
+  3. Token-level loss (eq. 12): divide by the number of tokens of the whole mini-batch.
+  4. Overlong reward shaping (eq. 13): truncated samples masked, or punished softly.
 
-One step (DESIGN.md "One training step"): prompts -> rollout.generate -> rewards -> dynamic
-sampling (bounded refills) -> advantages -> old log-probs -> `mini_batches` updates, each
-accumulated over micro-batches with the global token count as divisor -> metrics (rank 0 writes).
-Step counters and the learning-rate schedule count optimizer updates, not sampling rounds.
+One training step (`train_step`), numbered as the code below:
+  1. Sample G completions of each prompt and reward them (eq. 7, change 4's punishment).
+  2. Filter and refill the groups (change 2).
+  3. Advantages within each group (eq. 9).
+  4. Old log-probs: the trainer scores the batch before its first update (pi_old of eq. 10).
+  5. mu updates, each on 1/mu of the batch, accumulated over micro-batches with the token counts
+     of the whole mini-batch over all ranks as divisors (changes 1, 3 and 4's mask).
+  6. Metrics: named sums, reduced over ranks in one call; rank 0 writes them.
+--steps, --warmup-steps and the learning-rate schedule count these training steps, as the paper
+and verl do; the log also counts optimizer updates.
 
-A run directory (--out) holds config.json, metrics.jsonl (one JSON object per step), checkpoint.pt
-(the latest, written atomically) and final/ (save_model: loadable by load_model and transformers).
+A run directory (--out) holds config.json (every flag), metrics.jsonl (a line per step),
+eval.jsonl (held-out accuracy), checkpoint.pt (the latest; the one before it is kept as
+checkpoint-previous.pt) and final/ (save_model: loadable by load_model and by transformers).
 """
 
 import argparse
@@ -40,185 +45,33 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import config
 import dapo
 import data
 import losses
 import rewards
-from model import (add_lora, cpu_has_bf16, load_model, lora_disabled, save_model,
-                   token_logprobs)
-from rollout import Completion, generate
+import runs
+from model import add_lora, cpu_has_bf16, load_model, lora_disabled, save_model, token_logprobs
+from rollout import generate, stop_token_ids
 
-# ----------------------------------------------------------------------------- configuration
+# ----------------------------------------------------------------------------- schedule
 
-# The offline default: the `dapo` preset scaled to a 2-core CPU and a 135M model. What differs from
-# the paper's run, and why:
-CPU_DEFAULTS = {
-    "lr": 1e-5,            # 1e-6 is tuned for 7B-32B models and ~10k updates; 135M needs larger
-    "warmup_steps": 2,     # a 20-update warm-up would be most of a 20-minute run
-    "steps": 45,           # ~15 minutes of training on 2 cores (the time limit is a safety net)
-    "lr_schedule": "cosine",  # at a constant 1e-5 held-out accuracy peaked at ~11 minutes and
-                              # then drifted down (81% -> 68%); decaying the rate holds the gain
-    "overlong_cache": 16,  # DAPO's 4096 / 20480 cache ratio is ~1/5 of the budget; here 16 / 64
-    "max_refills": 0,      # a refill is another whole rollout round; on a CPU it is cheaper to
-                           # train on the informative groups found (the update shrinks with them)
-    "temperature": 0.8,    # at 1.0 this model is right ~3x less often than greedy: most groups
-                           # would be all wrong and carry no signal
-}
-
-
-def build_parser():
-    p = argparse.ArgumentParser(description="DAPO and relatives on math problems.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("run")
-    g.add_argument("--preset", default="dapo", choices=sorted(dapo.PRESETS),
-                   help="named flag set from dapo.PRESETS; explicit flags override it")
-    g.add_argument("--out", default=None, help="run directory (never overwritten); default runs/<time>")
-    g.add_argument("--resume", default=None, help="continue the run in this directory")
-    g.add_argument("--seed", type=int, default=0, help="seed for data, sampling and init")
-    g.add_argument("--steps", type=int, default=1000, help="optimizer updates to run at most")
-    g.add_argument("--time-limit", type=float, default=20.0,
-                   help="minutes of training (evaluation excluded); 0 = no limit")
-    g.add_argument("--bench", action="store_true", help="time a few steps and exit")
-    g.add_argument("--plot", metavar="RUN_DIR", default=None,
-                   help="only draw RUN_DIR/curve.png from its metrics (needs matplotlib)")
-    g.add_argument("--checkpoint-every", type=int, default=1, help="steps between checkpoints")
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=None,
-                   help="checkpoint dir, .gguf file or hub id; default the bundled SmolLM2-135M-Instruct")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="update precision: bfloat16 = autocast with fp32 master weights (auto: "
-                        "bf16 on CUDA and on CPUs with native bf16)")
-    g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0 = full fine-tuning)")
-    g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha")
-    g.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each block in backward (saves GPU memory)")
-    g.add_argument("--ref", default="frozen", choices=["frozen", "lora-off"],
-                   help="reference policy for KL/GKL/DPO: a frozen copy, or the LoRA base")
-    g = p.add_argument_group("data")
-    g.add_argument("--data", default="arithmetic",
-                   help="gsm8k, math500, aime24, dapo-math-17k, arithmetic[:key=value,...] or a "
-                        ".jsonl/.json/.parquet file")
-    g.add_argument("--template", default=None, choices=list(data.TEMPLATES),
-                   help="prompt template (default: none for arithmetic, dapo otherwise)")
-    g.add_argument("--eval-data", default=None,
-                   help="held-out data (default: the arithmetic held-out split, or none)")
-    g.add_argument("--eval-limit", type=int, default=200, help="held-out problems per evaluation")
-    g.add_argument("--eval-every", type=int, default=5, help="steps between held-out "
-                   "evaluations (0 = before and after only)")
-    g.add_argument("--curriculum", type=float, default=0.75,
-                   help="arithmetic: raise the difficulty when the training accuracy (moving "
-                        "average) passes this (0 = never)")
-    g = p.add_argument_group("sampling")
-    g.add_argument("--prompts-per-step", type=int, default=8, help="prompts per step, all ranks")
-    g.add_argument("--samples", type=int, default=8, help="G: completions per prompt")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="completion budget (L_max)")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
-    g.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,
-                   help="DAPO eq. 11: drop groups whose rewards are all equal, refill")
-    g.add_argument("--max-refills", type=int, default=10, help="extra rollout rounds per step")
-    g.add_argument("--keep-surplus", action=argparse.BooleanOptionalAction, default=False,
-                   help="carry surplus informative groups into the next step (one step stale)")
-    g.add_argument("--adversarial", action=argparse.BooleanOptionalAction, default=False,
-                   help="re-ask signal-less prompts as harder / hinted variants")
-    g.add_argument("--adaptive-budget", action=argparse.BooleanOptionalAction, default=False,
-                   help="more samples for prompts near 50%% accuracy, same total")
-    g = p.add_argument_group("reward")
-    g.add_argument("--correct-reward", type=float, default=1.0, help="reward of a right answer")
-    g.add_argument("--wrong-reward", type=float, default=-1.0, help="reward of a wrong answer")
-    g.add_argument("--overlong-penalty", action=argparse.BooleanOptionalAction, default=False,
-                   help="DAPO eq. 13 soft overlong punishment")
-    g.add_argument("--overlong-cache", type=int, default=4096, help="L_cache of eq. 13")
-    g.add_argument("--overlong-filter", action=argparse.BooleanOptionalAction, default=False,
-                   help="truncated completions get zero loss weight")
-    g.add_argument("--ppl-penalty", action=argparse.BooleanOptionalAction, default=False,
-                   help="soft perplexity penalty (rewards.perplexity_penalty)")
-    g.add_argument("--ppl-threshold", type=float, default=math.log(4.0), help="mean NLL (nats)")
-    g.add_argument("--ppl-window", type=float, default=math.log(4.0), help="mean NLL window")
-    g.add_argument("--efficiency-weight", type=float, default=0.0,
-                   help="balanced reasoning: bonus for short correct answers")
-    g = p.add_argument_group("algorithm")
-    g.add_argument("--algo", default="pg", choices=["pg", "dpo"], help="policy gradient or DPO")
-    g.add_argument("--adv-estimator", default="grpo", choices=list(dapo.ADVANTAGE_KINDS),
-                   help="advantage estimator")
-    g.add_argument("--loss-agg", default="token-mean", choices=list(losses.AGGREGATIONS),
-                   help="loss aggregation")
-    g.add_argument("--eps-low", type=float, default=0.2, help="lower clip range")
-    g.add_argument("--eps-high", type=float, default=0.28, help="upper clip range (clip-higher)")
-    g.add_argument("--clip-c", type=float, default=None, help="dual-clip constant (None = off)")
-    g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
-    g.add_argument("--kl", default="none", choices=["none", "k1", "k2", "k3", "gkl"],
-                   help="regulariser toward the reference")
-    g.add_argument("--kl-coef", type=float, default=0.0, help="its weight")
-    g.add_argument("--gkl-alpha", type=float, default=1.0, help="GKL: weight of the KL part")
-    g.add_argument("--gkl-beta", type=float, default=1.0, help="GKL: weight of the wMSE part")
-    g.add_argument("--gkl-gamma", type=float, default=1.0, help="GKL: weight smoothing power")
-    g.add_argument("--gkl-temperature", type=float, default=1.0, help="GKL: KL temperature")
-    g.add_argument("--gkl-weight-temperature", type=float, default=1.0,
-                   help="GKL: weight temperature")
-    g.add_argument("--dpo-beta", type=float, default=0.1, help="DPO beta")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate")
-    g.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up, in updates")
-    g.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"],
-                   help="after warm-up: constant (DAPO), or cosine decay to 10%% at --steps")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm")
-    g.add_argument("--mini-batches", type=int, default=1,
-                   help="updates per rollout step (mu); 1 = on-policy, no old-log-prob pass")
-    g.add_argument("--micro-batch-size", type=int, default=16, help="sequences per backward pass")
-    return p
-
-
-def parse_config(argv=None):
-    """Flags < preset < explicit flags. Without any flag: the CPU-scaled dapo preset."""
-    parser = build_parser()
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-    preset = dict(dapo.PRESETS[args.preset])
-    explicit = {a.dest for a in parser._actions for opt in a.option_strings
-                if any(x == opt or x.startswith(opt + "=") for x in argv)}
-    if args.model is None and args.preset == "dapo" and not args.resume:
-        preset.update(CPU_DEFAULTS)  # the offline default run (see CPU_DEFAULTS)
-    for key, value in preset.items():
-        if key not in explicit:
-            setattr(args, key, value)
-    check_config(args, parser)
-    return args, explicit
-
-
-def check_config(args, parser):
-    positive = ["steps", "prompts_per_step", "samples", "max_new_tokens", "micro_batch_size",
-                "mini_batches", "eval_limit", "checkpoint_every"]
-    for key in positive:
-        if getattr(args, key) < 1:
-            parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.lr <= 0:
-        parser.error("need --temperature >= 0, 0 < --top-p <= 1, --lr > 0")
-    if args.temperature == 0:
-        parser.error("--temperature 0 samples G identical completions: no group signal")
-    if args.samples < 2 and args.algo == "pg":
-        parser.error("--samples must be >= 2: group advantages need G >= 2")
-    if args.ref == "lora-off" and args.lora_rank == 0 and (args.kl != "none" or args.algo == "dpo"):
-        parser.error("--ref lora-off needs --lora-rank > 0")
-    if args.mini_batches > args.prompts_per_step * args.samples:
-        parser.error("--mini-batches exceeds the number of sequences per step")
-
-
-def lr_factor(update, args):
-    """Linear warm-up over `warmup_steps` updates, then constant or cosine down to 10%."""
-    if update < args.warmup_steps:
-        return (update + 1) / args.warmup_steps
+def lr_at(step, args):
+    """Learning rate of training step `step` (0-based), shared by its mu updates: linear warm-up
+    over --warmup-steps, then constant (DAPO) or cosine down to 10% at --steps."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
     if args.lr_schedule == "constant":
-        return 1.0
-    progress = min(1.0, (update - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        return args.lr
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
 # ----------------------------------------------------------------------------- distributed
@@ -240,12 +93,11 @@ def setup_distributed():
     return rank, world, torch.device("cpu")
 
 
-def all_reduce(tensor, op=None):
-    """Sums (or `op`) `tensor` over ranks, in place; a no-op in one process. NCCL reduces CUDA
+def all_reduce(tensor, op=dist.ReduceOp.SUM):
+    """`tensor` summed (or `op`) over ranks, in place; a no-op in one process. NCCL reduces CUDA
     tensors only, so a CPU tensor goes through the GPU and back."""
     if not dist.is_initialized():
         return tensor
-    op = op or dist.ReduceOp.SUM
     if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
         on_gpu = tensor.to(torch.cuda.current_device())
         dist.all_reduce(on_gpu, op=op)
@@ -254,54 +106,274 @@ def all_reduce(tensor, op=None):
     return tensor
 
 
-# ----------------------------------------------------------------------------- rollout + reward
+def add(a, b):
+    """Two dicts of named sums added name by name."""
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in a.keys() | b.keys()}
 
-def sample_groups(policy, tokenizer, records, args, stop_ids, seeds, num_samples):
-    """Samples `num_samples[i]` completions of records[i] and scores them. -> list of groups."""
+
+def top(a, b):
+    """Two dicts of named maxima, maxed name by name."""
+    return {k: max(a.get(k, -math.inf), b.get(k, -math.inf)) for k in a.keys() | b.keys()}
+
+
+def reduce_metrics(sums, maxima):
+    """Named sums added over ranks and named maxima maxed over ranks, in one call (every rank
+    passes the same names). -> one dict."""
+    out = {}
+    for values, op in ((sums, dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX)):
+        names = sorted(values)
+        reduced = all_reduce(torch.tensor([float(values[n]) for n in names], dtype=torch.float64), op)
+        out.update(zip(names, reduced.tolist()))
+    return out
+
+
+def gather(obj, world):
+    """[obj of rank 0, obj of rank 1, ...] on every rank (any picklable object)."""
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ----------------------------------------------------------------------------- the batch
+
+@dataclass(frozen=True)
+class Rollouts:
+    """G completions of each of several prompts, prompt-major: what a step carries from sampling
+    to the update. Every field holds one entry per completion, except `records` and `group_sizes`
+    (one per group); steps 3 and 4 return copies with `advantages` and `old_logprobs` filled in."""
+    records: list           # per group: the prompt's data record
+    group_sizes: list       # per group: its number of completions G_i (the adaptive budget varies it)
+    prompts: list           # prompt token ids
+    tokens: list            # completion token ids, ending with the stop token if one came
+    sampler_logprobs: list  # the sampler's log-probs of those tokens
+    truncated: list         # ran out of --max-new-tokens
+    rewards: list           # the reward, all terms included
+    correct: list           # the answer is right (what eq. 11 filters on)
+    reward_parts: list      # every reward term by name, for the log
+    stale: list             # sampled by the previous step's policy (--keep-surplus)
+    advantages: list = None     # step 3
+    old_logprobs: list = None   # step 4; None entries: on-policy (the update's own, detached)
+
+    @property
+    def num_groups(self):
+        return len(self.group_sizes)
+
+    def group_index(self):
+        return [g for g, size in enumerate(self.group_sizes) for _ in range(size)]
+
+    def select(self, groups):
+        """The groups at these indices, in this order."""
+        starts = [0]
+        for size in self.group_sizes:
+            starts.append(starts[-1] + size)
+        groups = list(groups)
+        rows = [i for g in groups for i in range(starts[g], starts[g + 1])]
+        return Rollouts(**{f.name: None if getattr(self, f.name) is None else
+                           [getattr(self, f.name)[i] for i in
+                            (groups if f.name in ("records", "group_sizes") else rows)]
+                           for f in dataclasses.fields(self)})
+
+    @staticmethod
+    def concat(parts):
+        return Rollouts(**{f.name: None if any(getattr(p, f.name) is None for p in parts) else
+                           [x for p in parts for x in getattr(p, f.name)]
+                           for f in dataclasses.fields(Rollouts)})
+
+
+# One completion of one token, for micro-batches that carry no loss (masked out by pack's caller).
+STAND_IN = Rollouts(records=[{}], group_sizes=[1], prompts=[[0]], tokens=[[0]],
+                    sampler_logprobs=[[0.0]], truncated=[False], rewards=[0.0], correct=[False],
+                    reward_parts=[{}], stale=[True], advantages=[0.0], old_logprobs=[None])
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a checkpoint restores besides the weights, the optimizer and the random states."""
+    step: int = 0                  # training steps done
+    updates: int = 0               # optimizer updates done (mu per step)
+    train_seconds: float = 0.0     # across resumes: the time limit counts the whole run
+    accuracy_ema: float = None     # training accuracy, moving average (the curriculum reads it)
+    skipped_updates: int = 0       # non-finite losses or gradients, left out
+    prompt_accuracy: dict = field(default_factory=dict)  # per prompt id, all ranks' samples
+    carry: Rollouts = None         # this rank's surplus groups for the next step
+
+
+# ----------------------------------------------------------------------------- the run
+
+@dataclass
+class Run:
+    """The long-lived objects of a run (a step's data flows through Rollouts, not here)."""
+    args: argparse.Namespace
+    rank: int
+    world: int
+    model: torch.nn.Module      # the policy; under torchrun wrapped in DDP (forward and backward)
+    policy: torch.nn.Module     # the same module unwrapped (parameters, head, saving)
+    sampler: torch.nn.Module    # what rollouts run on: a bf16 copy where bf16 is fast, or policy
+    reference: torch.nn.Module  # frozen copy for KL / GKL / DPO, or None (none, or --ref lora-off)
+    tokenizer: object
+    stop_ids: list
+    step_separators: list       # token ids that end a line (Step-DPO's steps)
+    optimizer: torch.optim.Optimizer
+    source: object              # data.ArithmeticTask or a list of records
+    stream: data.PromptStream   # this rank's slice of every batch
+    heldout: list               # held-out records, or None
+    bf16: bool                  # updates under bf16 autocast
+    variant_rng: random.Random  # draws the adversarial variants
+
+
+def autocast(run):
+    return torch.autocast(run.args.device.type, dtype=torch.bfloat16) if run.bf16 \
+        else contextlib.nullcontext()
+
+
+def reference_forward(run, fn):
+    """fn(model) under the reference policy: the frozen copy, or the policy with LoRA off."""
+    if run.reference is not None:
+        return fn(run.reference)
+    with lora_disabled(run.policy):
+        return fn(run.policy)
+
+
+@torch.no_grad()
+def refresh_sampler(run):
+    if run.sampler is not run.policy:
+        for p_sampler, p in zip(run.sampler.parameters(), run.policy.parameters()):
+            p_sampler.copy_(p)
+
+
+# ----------------------------------------------------------------------------- 1-2: sample, reward, filter
+
+def reward_options(args, completion):
+    """rewards.math_reward's keyword arguments for one completion under this run's flags."""
+    options = {"correct": args.correct_reward, "wrong": args.wrong_reward}
+    if args.format_reward != "none":
+        options.update(format_style=args.format_reward, format_weight=args.format_weight)
+    if args.overlong_penalty:  # change 4, eq. 13
+        options.update(length=len(completion.tokens), max_len=args.max_new_tokens,
+                       cache_len=config.overlong_cache_tokens(args))
+    if args.ppl_penalty != "off":
+        mean_nll = -sum(completion.logprobs) / max(1, len(completion.logprobs))
+        options.update(mean_nll=mean_nll, ppl_threshold=args.ppl_threshold, ppl_window=args.ppl_window)
+    return options
+
+
+def sample_and_reward(run, records, num_samples, seeds):
+    """Step 1: num_samples[i] completions of records[i] from the sampler, each rewarded."""
+    args, tokenizer = run.args, run.tokenizer
     prompts = [data.format_prompt(r, tokenizer, args.template) for r in records]
-    completions = generate(policy, prompts, num_samples=num_samples,
+    completions = generate(run.sampler.eval(), prompts, num_samples=num_samples,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           top_p=args.top_p, stop_token_ids=stop_ids, seed=seeds)
-    cache_len = args.overlong_cache if args.overlong_cache < args.max_new_tokens \
-        else max(1, args.max_new_tokens // 5)  # DAPO's 4096 of 20480, scaled to the budget
-    groups, start = [], 0
-    for record, prompt, count in zip(records, prompts, num_samples):
-        group = {"record": record, "prompt": prompt, "completions": [], "rewards": [],
-                 "correct": [], "components": [], "truncated": []}
-        for c in completions[start:start + count]:
-            text = tokenizer.decode(c.tokens, skip_special_tokens=True)
-            mean_nll = -sum(c.logprobs) / max(1, len(c.logprobs))
-            reward, parts = rewards.math_reward(
-                text, record["answer"], correct=args.correct_reward, wrong=args.wrong_reward,
-                **({"length": len(c.tokens), "max_len": args.max_new_tokens,
-                    "cache_len": cache_len} if args.overlong_penalty else {}),
-                **({"mean_nll": mean_nll, "ppl_threshold": args.ppl_threshold,
-                    "ppl_window": args.ppl_window} if args.ppl_penalty else {}))
-            group["completions"].append(c)
-            group["rewards"].append(reward)
-            group["correct"].append(parts["accuracy"] > 0)
-            group["components"].append(parts)
-            group["truncated"].append(c.finish_reason == "length")
-        if args.efficiency_weight:
-            bonus = dapo.efficiency_bonus(group["correct"], [len(c.tokens) for c in group["completions"]],
-                                          count, args.efficiency_weight)
-            group["rewards"] = [r + float(b) for r, b in zip(group["rewards"], bonus)]
-            for parts, b in zip(group["components"], bonus):
-                parts["efficiency"] = float(b)
-        groups.append(group)
-        start += count
-    return groups
+                           top_p=args.top_p, stop_token_ids=run.stop_ids, seed=seeds)
+    group = [g for g, n in enumerate(num_samples) for _ in range(n)]  # (N,) prompt of each
+    scored = [rewards.math_reward(tokenizer.decode(c.tokens, skip_special_tokens=True),
+                                  records[g]["answer"], **reward_options(args, c))
+              for c, g in zip(completions, group)]
+    correct = [parts["accuracy"] > 0 for _, parts in scored]
+    bonus = [0.0] * len(completions)
+    if args.efficiency_weight:  # balanced reasoning: short right answers score a little more
+        bonus = dapo.efficiency_bonus(correct, [len(c.tokens) for c in completions], num_samples,
+                                      args.efficiency_weight).tolist()
+    return Rollouts(records=list(records), group_sizes=list(num_samples),
+                    prompts=[prompts[g] for g in group], tokens=[c.tokens for c in completions],
+                    sampler_logprobs=[c.logprobs for c in completions],
+                    truncated=[c.finish_reason == "length" for c in completions],
+                    rewards=[r + b for (r, _), b in zip(scored, bonus)], correct=correct,
+                    reward_parts=[{**parts, "efficiency": b} for (_, parts), b in zip(scored, bonus)],
+                    stale=[False] * len(completions))
 
 
-def transform_for(task_rng):
-    """Adversarial dynamic sampling: the task's harder / hinted variant of a signal-less prompt."""
-    def transform(group, how):
-        record = group["record"]
-        return data.harder_variant(record, task_rng) if how == "harder" else data.hint_variant(record)
-    return transform
+def collect_rollouts(run, progress):
+    """Steps 1-2: sample and reward this rank's prompts; with dynamic sampling (change 2) keep
+    the groups with 0 < #correct < G and sample again, up to --max-refills more rounds. Never
+    loops forever and never fails on the budget (verl raises): the step trains on what it has.
+    -> (kept groups, every round's rollouts, surplus groups to carry, adversarial prompts asked)
+    """
+    args = run.args
+    want = args.prompts_per_step // run.world
+    rounds = 1 + args.max_refills if args.dynamic_sampling else 1
+    carry = progress.carry
+    kept = [carry.select(range(min(want, carry.num_groups)))] if carry else []  # stale: use first
+    sampled, requests, asked = [], [], 0
+    for round_index in range(rounds):
+        have = sum(part.num_groups for part in kept)
+        if have >= want:
+            break
+        # The adversarial variants of the last round's signal-less prompts first, then fresh ones.
+        records = requests + (next(run.stream)[:want - len(requests)] if len(requests) < want else [])
+        first = run.stream.step * args.prompts_per_step + run.rank * want  # a global position
+        seeds = [random.Random(f"{args.seed}:{progress.step}:{round_index}:{first + i}").getrandbits(62)
+                 for i in range(len(records))]  # per prompt: samples do not depend on world size
+        counts = [args.samples] * len(records)
+        if args.adaptive_budget:
+            counts = dapo.adaptive_num_samples([progress.prompt_accuracy.get(r["id"]) for r in records],
+                                               total=len(records) * args.samples, min_samples=2,
+                                               max_samples=2 * args.samples)
+        batch = sample_and_reward(run, records, counts, seeds)
+        sampled.append(batch)
+        if not args.dynamic_sampling:
+            return batch, sampled, None, 0
+        informative = dapo.keep_groups(batch.correct, batch.group_sizes).tolist()  # eq. 11
+        kept.append(batch.select(g for g, keep in enumerate(informative) if keep))
+        last_round = round_index + 1 == rounds or have + sum(informative) >= want
+        requests = [] if last_round or not args.adversarial else adversarial_variants(run, batch)
+        asked += len(requests)
+    kept = Rollouts.concat(kept)
+    surplus = None
+    if args.keep_surplus and kept.num_groups > want:  # trained next step, off-policy
+        surplus = kept.select(range(want, kept.num_groups))
+        surplus = replace(surplus, stale=[True] * len(surplus.stale))
+    return kept.select(range(min(want, kept.num_groups))), sampled, surplus, asked
 
 
-# ----------------------------------------------------------------------------- the update
+def adversarial_variants(run, batch):
+    """The harder (all right) or hinted (all wrong) variants of a round's signal-less prompts."""
+    variants = []
+    for g, how in dapo.adversarial_requests(batch.correct, batch.group_sizes):
+        record = batch.records[g]
+        variant = data.harder_variant(record, run.variant_rng) if how == "harder" \
+            else data.hint_variant(record)
+        if variant is not None:
+            variants.append(variant)
+    return variants
+
+
+# ----------------------------------------------------------------------------- 3-4: advantages, old log-probs
+
+def with_advantages(run, batch):
+    """Step 3: group-relative advantages (eq. 9, or the --adv-estimator)."""
+    rewards_ = torch.tensor(batch.rewards, dtype=torch.float64)  # (N,)
+    if run.args.adv_estimator == "reinforce_baseline":  # whitened over all ranks' samples
+        centred = dapo.group_advantages(rewards_, batch.group_sizes, "dr_grpo")
+        advantages = dapo.whiten(centred, all_reduce(dapo.moments(centred)))
+    else:
+        advantages = dapo.group_advantages(rewards_, batch.group_sizes, run.args.adv_estimator)
+    return replace(batch, advantages=advantages.tolist())
+
+
+@torch.no_grad()
+def with_old_logprobs(run, batch):
+    """Step 4: pi_old of eq. 10, the trainer's log-probs before this step's first update. With
+    one update per step they equal the update's own (detached), so nothing is computed here.
+    Groups carried from the last step keep their sampler's log-probs: that policy sampled them."""
+    args = run.args
+    old = [list(lp) if stale else None for lp, stale in zip(batch.sampler_logprobs, batch.stale)]
+    if args.mini_batches > 1:
+        fresh = [i for i, stale in enumerate(batch.stale) if not stale]
+        for at in range(0, len(fresh), args.micro_batch_size):
+            rows = fresh[at:at + args.micro_batch_size]
+            ids, attn, _, start = pack([batch.prompts[i] for i in rows],
+                                       [batch.tokens[i] for i in rows], args.device)
+            with autocast(run):
+                logp = token_logprobs(run.policy, ids, attn, start=start,
+                                      temperature=args.temperature).float().cpu()  # (b, C)
+            for j, i in enumerate(rows):
+                old[i] = logp[j, :len(batch.tokens[i])].tolist()
+    return replace(batch, old_logprobs=old)
+
+
+# ----------------------------------------------------------------------------- 5: the updates
 
 def pack(prompts, completions, device):
     """Prompts left-padded, completions right-padded, in one (B, P + C) batch.
@@ -319,138 +391,6 @@ def pack(prompts, completions, device):
     return ids.to(device), attn.to(device), attn[:, P:].to(device), P
 
 
-def policy_logprobs(model, ids, attn, P, args, with_entropy=False):
-    return token_logprobs(model, ids, attn, start=P, temperature=args.temperature,
-                          with_entropy=with_entropy)
-
-
-def split_micro_batches(rows, size, num):
-    """`num` lists of row indices of at most `size` (some empty when ranks are uneven)."""
-    chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
-    return chunks + [[] for _ in range(num - len(chunks))]
-
-
-def pg_update(model, ref_forward, optimizer, scheduler, samples, args, world, autocast):
-    """`mini_batches` optimizer updates over this rank's samples. -> metrics dict.
-
-    samples: dict of lists: prompt, tokens, advantage, group_id (global), sampler_logp, old_logp.
-    """
-    inner = getattr(model, "module", model)
-    n = len(samples["prompt"])
-    stats_sum, skipped, empty, grad_norms = {}, 0, 0, []
-    mini_size = math.ceil(n / args.mini_batches) if n else 0
-    for m in range(args.mini_batches):
-        rows = list(range(m * mini_size, min(n, (m + 1) * mini_size)))
-        # Every rank must run the same number of backward passes (DDP's all-reduce is per
-        # backward): pad with empty micro-batches up to the largest count over ranks.
-        num_micro = torch.tensor(math.ceil(len(rows) / args.micro_batch_size), device=args.device)
-        num_micro = max(1, int(all_reduce(num_micro, dist.ReduceOp.MAX if dist.is_initialized() else None)))
-        micro = split_micro_batches(rows, args.micro_batch_size, num_micro)
-        packed = []
-        for mb in micro:
-            if mb:
-                packed.append(pack([samples["prompt"][i] for i in mb],
-                                   [samples["tokens"][i] for i in mb], args.device))
-            else:  # a zero-weight stand-in: one token of padding, loss multiplied by 0
-                packed.append(pack([[0]], [[0]], args.device))
-        masks = [pk[2] * (1 if mb else 0) for pk, mb in zip(packed, micro)]
-        if args.overlong_filter:  # truncated completions carry no gradient
-            masks = [mk * torch.tensor([0 if samples["truncated"][i] else 1 for i in mb] or [0],
-                                       device=args.device)[:, None] for mk, mb in zip(masks, micro)]
-        gids = [torch.tensor([samples["group_id"][i] for i in mb] or [0], device=args.device)
-                for mb in micro]
-        # Global divisors of this mini-batch: summed over micro-batches, all-reduced over ranks.
-        divisors = losses.micro_batch_divisors(masks, gids, max_tokens=args.max_new_tokens,
-                                               distributed=dist.is_initialized())
-        if int(divisors[0]["num_tokens"]) == 0:  # no loss token on any rank: nothing to learn
-            empty += 1
-            continue
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = torch.zeros((), device=args.device)
-        for k, (mb, (ids, attn, _, P), mask, div) in enumerate(zip(micro, packed, masks, divisors)):
-            last = k == len(micro) - 1
-            sync = contextlib.nullcontext() if last or world == 1 else model.no_sync()
-            with sync, autocast():
-                # One pass of the body (through DDP: one forward, one backward) feeds every term.
-                hidden = model(ids, attn, return_hidden=True)  # (b, P+C, H)
-                logp, ent = token_logprobs(inner, ids, attn, start=P, temperature=args.temperature,
-                                           with_entropy=True, entropy_grad=args.entropy_coef > 0,
-                                           hidden=hidden)
-                logp = logp[:, :mask.shape[1]]  # (b, C)
-                if mb:
-                    old = pad_rows([samples["old_logp"][i] for i in mb], mask.shape[1], args.device) \
-                        if args.mini_batches > 1 else logp.detach()
-                    adv = torch.tensor([samples["advantage"][i] for i in mb], device=args.device)
-                else:
-                    old, adv = logp.detach(), torch.zeros(1, device=args.device)
-                loss, st = losses.policy_loss(logp, old, adv, mask, eps_low=args.eps_low,
-                                              eps_high=args.eps_high, clip_c=args.clip_c,
-                                              agg=args.loss_agg, **div, group_ids=gids[k])
-                if args.entropy_coef:
-                    ent_term, _ = losses.aggregate(ent[:, :mask.shape[1]], mask, args.loss_agg, **div,
-                                                   group_ids=gids[k])
-                    loss = loss - args.entropy_coef * ent_term
-                if args.kl != "none":
-                    loss = loss + args.kl_coef * kl_term(inner, ref_forward, hidden, ids, attn, P,
-                                                         logp, mask, div, gids[k], args)
-                # DDP averages gradients over ranks; the divisors are already global, so scale
-                # back up to make the all-reduce a sum (the update equals one device's).
-                (loss * world).backward()
-            step_loss += loss.detach()
-            weight = mask.sum()
-            for key, value in {**st, "entropy": (ent[:, :mask.shape[1]] * mask).sum() / weight.clamp(min=1)}.items():
-                stats_sum[key] = stats_sum.get(key, 0.0) + float(value.detach() if torch.is_tensor(value) else value) * float(weight)
-            stats_sum["_tokens"] = stats_sum.get("_tokens", 0.0) + float(weight)
-            if mb and args.mini_batches == 1:
-                for j, i in enumerate(mb):  # on-policy: these are the old log-probs
-                    samples["old_logp"][i] = logp[j, :len(samples["tokens"][i])].detach().float().cpu().tolist()
-        grad_norm = torch.nn.utils.clip_grad_norm_(inner.parameters(), args.grad_clip)
-        finite = torch.isfinite(all_reduce(step_loss.clone())) & torch.isfinite(grad_norm)
-        if bool(finite):
-            optimizer.step()
-            scheduler.step()
-            grad_norms.append(float(grad_norm))
-        else:  # leave weights and optimizer state as they were; count it
-            optimizer.zero_grad(set_to_none=True)
-            skipped += 1
-    tokens = max(stats_sum.pop("_tokens", 0.0), 1.0)
-    out = {k: v / tokens for k, v in stats_sum.items() if k != "tokens"}
-    out.update(skipped_updates=skipped, empty_updates=empty,
-               grad_norm=sum(grad_norms) / max(1, len(grad_norms)))
-    return out
-
-
-def kl_term(model, ref_forward, hidden, ids, attn, P, logp, mask, div, gids, args, positions=64):
-    """k1/k2/k3 (Schulman) of the sampled tokens, or GKL (Cui et al. 2025) over the vocabulary.
-
-    hidden (b, P+C, H): the policy body's output for ids, already computed for the log-probs.
-    GKL needs whole logit rows of both policies; they are made `positions` at a time and made
-    again in backward (checkpoint), so no (b, C, V) tensor or its gradient is ever held.
-    """
-    C = mask.shape[1]
-    if args.kl == "gkl":
-        with torch.no_grad():
-            ref_hidden = ref_forward(lambda m: m(ids, attn, return_hidden=True))[:, P - 1:P - 1 + C]
-            ref_weight = ref_forward(lambda m: m.output.weight)  # (V, H)
-        hidden = hidden[:, P - 1:P - 1 + C]  # (b, C, H): position t predicts completion token t
-
-        def term_of(h, h_ref):  # (b, c, H) -> (b, c)
-            return losses.gkl_per_token(
-                F.linear(h, model.output.weight), F.linear(h_ref, ref_weight),
-                alpha=args.gkl_alpha, beta=args.gkl_beta, gamma=args.gkl_gamma,
-                temperature=args.gkl_temperature, weight_temperature=args.gkl_weight_temperature)[0]
-
-        per_token = torch.cat([checkpoint(term_of, hidden[:, s:s + positions],
-                                          ref_hidden[:, s:s + positions], use_reentrant=False)
-                               for s in range(0, C, positions)], dim=1)  # (b, C)
-    else:
-        with torch.no_grad():
-            ref_logp = ref_forward(lambda m: policy_logprobs(m, ids, attn, P, args))[:, :C]
-        per_token = losses.kl_estimate(logp, ref_logp, args.kl)
-    loss = losses.aggregate(per_token, mask, args.loss_agg, **div, group_ids=gids)
-    return loss[0] if isinstance(loss, tuple) else loss
-
-
 def pad_rows(rows, width, device):
     out = torch.zeros(len(rows), width)
     for i, r in enumerate(rows):
@@ -458,102 +398,428 @@ def pad_rows(rows, width, device):
     return out.to(device)
 
 
-def dpo_update(model, ref_forward, optimizer, scheduler, groups, args, world, autocast):
-    """DPO (Rafailov et al. 2023) on correct-vs-incorrect completions of the same prompt."""
-    rewards_flat = [r for g in groups for r in g["rewards"]]
-    sizes = [len(g["rewards"]) for g in groups]
-    flat = [(g["prompt"], c.tokens) for g in groups for c in g["completions"]]
-    pairs = dapo.dpo_pairs(rewards_flat, sizes) if flat else []
-    num_pairs = torch.tensor(float(len(pairs)), device=args.device)
-    all_reduce(num_pairs)
-    optimizer.zero_grad(set_to_none=True)
-    per = max(1, args.micro_batch_size // 2)
-    num_micro = torch.tensor(max(1, math.ceil(len(pairs) / per)), device=args.device)
-    all_reduce(num_micro, dist.ReduceOp.MAX if dist.is_initialized() else None)
-    stats = {}
-    for k in range(int(num_micro)):
-        chunk = pairs[k * per:(k + 1) * per]
-        rows = [flat[i] for pair in chunk for i in pair] or [([0], [0])]
-        ids, attn, mask, P = pack([r[0] for r in rows], [r[1] for r in rows], args.device)
-        sync = contextlib.nullcontext() if k == int(num_micro) - 1 or world == 1 else model.no_sync()
-        with sync, autocast():
-            seq_logp = (policy_logprobs(model, ids, attn, P, args) * mask).sum(-1)  # (2b,)
-            with torch.no_grad():
-                ref = (ref_forward(lambda m: policy_logprobs(m, ids, attn, P, args)) * mask).sum(-1)
-            if chunk:
-                loss, st = losses.dpo_loss(seq_logp[0::2], seq_logp[1::2], ref[0::2], ref[1::2],
-                                           args.dpo_beta, num_pairs=num_pairs.clamp(min=1))
-            else:
-                loss, st = seq_logp.sum() * 0, {}
-            (loss * world).backward()
-        for key, v in st.items():
-            stats[key] = stats.get(key, 0.0) + float(v) * len(chunk)
-    grad_norm = torch.nn.utils.clip_grad_norm_(getattr(model, "module", model).parameters(), args.grad_clip)
-    skipped = 0
-    if torch.isfinite(grad_norm) and len(pairs) + float(num_pairs) > 0:
-        optimizer.step()
-        scheduler.step()
-    else:
-        optimizer.zero_grad(set_to_none=True)
-        skipped = int(not torch.isfinite(grad_norm))
-    out = {k: v / max(1, len(pairs)) for k, v in stats.items() if k != "pairs"}
-    out.update(pairs=len(pairs), skipped_updates=skipped, grad_norm=float(grad_norm))
+def micro_batch_count(run, rows):
+    """Micro-batches of this mini-batch on the rank that has the most: DDP all-reduces once per
+    backward, so every rank runs that many (the short ones add zero-weight stand-ins)."""
+    count = torch.tensor(math.ceil(len(rows) / run.args.micro_batch_size))
+    return max(1, int(all_reduce(count, dist.ReduceOp.MAX)))
+
+
+def policy_micro_batches(run, batch, rows):
+    """The mini-batch `rows` of `batch` as tensors, micro-batch by micro-batch."""
+    size, group, device = run.args.micro_batch_size, batch.group_index(), run.args.device
+    out = []
+    for k in range(micro_batch_count(run, rows)):
+        part = rows[k * size:(k + 1) * size]
+        if not part:  # this rank has fewer micro-batches than another: a zero-weight stand-in
+            part, batch, group = [0], STAND_IN, [0]
+        ids, attn, mask, start = pack([batch.prompts[i] for i in part],
+                                      [batch.tokens[i] for i in part], device)
+        # change 4, overlong filtering: truncated completions carry no loss
+        keep = [batch is not STAND_IN and not (run.args.overlong_filter and batch.truncated[i])
+                for i in part]
+        old = [batch.old_logprobs[i] for i in part]
+        out.append({
+            "ids": ids, "attn": attn, "start": start,
+            "mask": mask * torch.tensor(keep, device=device)[:, None],                   # (b, C)
+            "advantages": torch.tensor([batch.advantages[i] for i in part], device=device),  # (b,)
+            "old": pad_rows([o or [] for o in old], mask.shape[1], device),              # (b, C)
+            "has_old": torch.tensor([o is not None for o in old], device=device),         # (b,)
+            "sampler": pad_rows([batch.sampler_logprobs[i] for i in part], mask.shape[1], device),
+            "fresh": torch.tensor([not batch.stale[i] for i in part], device=device),     # (b,)
+            "group_ids": torch.tensor([run.rank * 100_000 + group[i] for i in part],    # global ids,
+                                      device=device)})                                   # (b,)
     return out
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-def atomic_torch_save(obj, path):
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)  # a crash leaves the previous checkpoint whole
-
-
-def drop_lines_after(path, step):
-    """Keeps the JSON lines of `path` whose "step" is <= step; a torn last line goes too."""
-    if not os.path.exists(path):
-        return
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line)
-            except (ValueError, KeyError, TypeError):
-                pass
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)  # a crash here leaves the old file whole
-
-
-def rng_state():
-    # CUDA: this rank's own device only (a resume may see a different number of GPUs).
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-
-
-def set_rng_state(state):
-    torch.set_rng_state(state["torch"])
-    random.setstate(as_random_state(state["python"]))
-    if torch.cuda.is_available() and torch.is_tensor(state.get("cuda")):
-        torch.cuda.set_rng_state(state["cuda"])
+def policy_gradient_loss(run, mb):
+    """The objective of eq. 10 on one micro-batch (changes 1 and 3), with the optional entropy
+    bonus, KL / GKL term and TIS weights. -> (loss, named sums for the log, named maxima)"""
+    args, mask, divisors = run.args, mb["mask"], mb["divisors"]
+    hidden = run.model(mb["ids"], mb["attn"], return_hidden=True)  # (b, P+C, H), through DDP
+    logp, entropy = token_logprobs(run.policy, mb["ids"], mb["attn"], start=mb["start"],
+                                   temperature=args.temperature, with_entropy=True,
+                                   entropy_grad=args.entropy_coef > 0, hidden=hidden)  # (b, C)
+    old = torch.where(mb["has_old"][:, None], mb["old"], logp.detach())  # (b, C) pi_old
+    weights = losses.tis_weights(old, mb["sampler"], args.tis_cap) if args.tis_cap else None
+    loss, stats = losses.policy_loss(logp, old, mb["advantages"], mask, eps_low=args.eps_low,
+                                     eps_high=args.eps_high, clip_c=args.clip_c, agg=args.loss_agg,
+                                     token_weights=weights, **divisors)
+    if args.entropy_coef:
+        loss = loss - args.entropy_coef * losses.aggregate(entropy, mask, args.loss_agg, **divisors)
+    tokens = float(stats["tokens"])
+    sums = {name: float(stats[name]) * tokens for name in
+            ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "ratio_mean")}
+    fresh = (mask != 0) & mb["fresh"][:, None]  # (b, C) the sampler's own tokens, this policy's
+    sums.update(loss_tokens=tokens, entropy=float((entropy.detach() * (mask != 0)).sum()),
+                mismatch=float(((old - mb["sampler"]).abs() * fresh).sum()),
+                mismatch_tokens=float(fresh.sum()))
+    if weights is not None:
+        sums["tis_weight"] = float((weights * (mask != 0)).sum())
+    if args.kl != "none":
+        kl_loss, per_token = kl_term(run, mb, hidden, logp)
+        loss = loss + args.kl_coef * kl_loss
+        sums["kl"] = float((per_token.detach() * (mask != 0)).sum())
+    return loss, sums, {"ratio_max": float(stats["ratio_max"])}
 
 
-def as_random_state(state):
-    """random.getstate() after a torch.save round trip (its inner tuple may come back a list)."""
-    return tuple(tuple(x) if isinstance(x, list) else x for x in state)
+def kl_term(run, mb, hidden, logp, positions=64):
+    """k1/k2/k3 (Schulman) of the sampled tokens, or GKL (Cui et al. 2025) over the vocabulary,
+    aggregated like the policy loss. -> (loss, per-token term (b, C))
+
+    hidden (b, P+C, H): the policy body's output, already computed for the log-probs. GKL needs
+    whole logit rows of both policies; they are made `positions` at a time and made again in
+    backward (checkpoint), so no (b, C, V) tensor or its gradient is ever held.
+    """
+    args, mask, start = run.args, mb["mask"], mb["start"]
+    ids, attn, C = mb["ids"], mb["attn"], mb["mask"].shape[1]
+    if args.kl == "gkl":
+        with torch.no_grad():
+            ref_hidden = reference_forward(run, lambda m: m(ids, attn, return_hidden=True))
+            ref_hidden = ref_hidden[:, start - 1:start - 1 + C]  # (b, C, H)
+            ref_weight = reference_forward(run, lambda m: m.output.weight)  # (V, H)
+        hidden = hidden[:, start - 1:start - 1 + C]  # (b, C, H): position t predicts token t
+        settings = dict(alpha=args.gkl_alpha, beta=args.gkl_beta, gamma=args.gkl_gamma,
+                        temperature=args.gkl_temperature,
+                        weight_temperature=args.gkl_weight_temperature)
+        per_token = torch.cat([
+            checkpoint(gkl_of_hidden, hidden[:, s:s + positions], ref_hidden[:, s:s + positions],
+                       run.policy.output.weight, ref_weight, settings, use_reentrant=False)
+            for s in range(0, C, positions)], dim=1)  # (b, C)
+    else:
+        with torch.no_grad():
+            ref_logp = reference_forward(run, lambda m: token_logprobs(
+                m, ids, attn, start=start, temperature=args.temperature))  # (b, C)
+        per_token = losses.kl_estimate(logp, ref_logp, args.kl)  # (b, C)
+    return losses.aggregate(per_token, mask, args.loss_agg, **mb["divisors"]), per_token
 
 
-def groups_to_plain(groups):
-    """Carried groups as dicts and lists only, so that torch.load(weights_only=True) reads them."""
-    return [{**g, "completions": [dataclasses.asdict(c) for c in g["completions"]]} for g in groups]
+def gkl_of_hidden(hidden, ref_hidden, weight, ref_weight, settings):
+    """GKL term per position from the two bodies' outputs: (b, c, H) -> (b, c)."""
+    return losses.gkl_per_token(F.linear(hidden, weight), F.linear(ref_hidden, ref_weight),
+                                **settings)[0]
 
 
-def groups_from_plain(groups):
-    return [{**g, "completions": [Completion(**c) for c in g["completions"]]} for g in groups]
+def policy_gradient_update(run, batch, rows):
+    """One update on the mini-batch `rows`: the token counts of the whole mini-batch, over all
+    ranks, are every micro-batch's divisors, so the update is exactly one device's (change 3)."""
+    micro = policy_micro_batches(run, batch, rows)
+    divisors = losses.micro_batch_divisors([mb["mask"] for mb in micro],
+                                           [mb["group_ids"] for mb in micro],
+                                           max_tokens=run.args.max_new_tokens,
+                                           distributed=run.world > 1)
+    if int(divisors[0]["num_tokens"]) == 0:  # no loss token on any rank: nothing to learn
+        return {"empty_updates": 1}, {}
+    micro = [{**mb, "divisors": d} for mb, d in zip(micro, divisors)]
+    return optimizer_update(run, micro, policy_gradient_loss)
 
 
-# ----------------------------------------------------------------------------- main
+def dpo_pairs(run, batch):
+    """(chosen, rejected, (start, end) of each) from correct-vs-wrong completions of a prompt;
+    Step-DPO keeps the loss on the first line where the two part ways."""
+    if run.args.dpo_pairs == "step":
+        pairs = dapo.step_dpo_pairs(batch.tokens, batch.rewards, batch.group_sizes, run.step_separators)
+        return [(p["chosen"], p["rejected"], (p["prefix_len"], p["chosen_end"]),
+                 (p["prefix_len"], p["rejected_end"])) for p in pairs]
+    return [(c, r, (0, len(batch.tokens[c])), (0, len(batch.tokens[r])))
+            for c, r in dapo.dpo_pairs(batch.rewards, batch.group_sizes)]
+
+
+def dpo_update(run, batch, pairs):
+    """One DPO update (Rafailov et al. 2023) on these pairs, divided by the pairs of all ranks."""
+    size = max(1, run.args.micro_batch_size // 2)
+    num_pairs = all_reduce(torch.tensor(float(len(pairs))))
+    if float(num_pairs) == 0:
+        return {"empty_updates": 1}, {}
+    micro = []
+    for k in range(micro_batch_count(run, pairs * 2)):
+        part = pairs[k * size:(k + 1) * size]
+        rows = [(i, span) for c, r, span_c, span_r in part for i, span in ((c, span_c), (r, span_r))]
+        ids, attn, mask, start = pack([batch.prompts[i] for i, _ in rows] or [[0]],
+                                      [batch.tokens[i] for i, _ in rows] or [[0]], run.args.device)
+        span_mask = torch.zeros_like(mask)
+        for j, (_, (begin, end)) in enumerate(rows):
+            span_mask[j, begin:end] = 1
+        micro.append({"ids": ids, "attn": attn, "start": start, "mask": mask * span_mask,
+                      "pairs": len(part), "num_pairs": num_pairs})
+    return optimizer_update(run, micro, dpo_loss)
+
+
+def dpo_loss(run, mb):
+    ids, attn, start, mask = mb["ids"], mb["attn"], mb["start"], mb["mask"]
+    temperature = run.args.temperature
+    seq_logp = (token_logprobs(run.model, ids, attn, start=start, temperature=temperature)
+                * mask).sum(-1)  # (2b,) chosen, rejected, chosen, ...
+    names = ("chosen_reward", "rejected_reward", "reward_margin", "accuracy")
+    if not mb["pairs"]:  # a stand-in: same names, no weight (every rank logs the same names)
+        return seq_logp.sum() * 0, {f"dpo_{n}": 0.0 for n in names} | {"pairs": 0}, {}
+    with torch.no_grad():
+        ref = (reference_forward(run, lambda m: token_logprobs(
+            m, ids, attn, start=start, temperature=temperature)) * mask).sum(-1)  # (2b,)
+    loss, stats = losses.dpo_loss(seq_logp[0::2], seq_logp[1::2], ref[0::2], ref[1::2],
+                                  run.args.dpo_beta, num_pairs=mb["num_pairs"])
+    return loss, {f"dpo_{n}": float(stats[n]) * mb["pairs"] for n in names} | {"pairs": mb["pairs"]}, {}
+
+
+def optimizer_update(run, micro, loss_of):
+    """Backward on every micro-batch (DDP all-reduces on the last), clip, step. A non-finite loss
+    or gradient on any rank leaves weights and optimizer state as they were, and is counted."""
+    run.optimizer.zero_grad(set_to_none=True)
+    sums, maxima, total = {}, {}, torch.zeros((), dtype=torch.float64)
+    for k, mb in enumerate(micro):
+        last = k == len(micro) - 1
+        with (contextlib.nullcontext() if last or run.world == 1 else run.model.no_sync()), autocast(run):
+            loss, mb_sums, mb_maxima = loss_of(run, mb)
+            # DDP averages gradients over ranks; the divisors are already global, so scale back
+            # up to make that average a sum (the update then equals one device's).
+            (loss * run.world).backward()
+        total += float(loss.detach())
+        sums, maxima = add(sums, mb_sums), top(maxima, mb_maxima)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.parameters(), run.args.grad_clip)
+    finite = math.isfinite(float(all_reduce(total))) and math.isfinite(float(grad_norm))
+    if finite:
+        run.optimizer.step()
+    else:
+        run.optimizer.zero_grad(set_to_none=True)
+    sums.update(updates=1, skipped_updates=int(not finite),
+                grad_norm=float(grad_norm) if finite else 0.0)
+    return sums, maxima
+
+
+def update(run, batch):
+    """Step 5: --mini-batches optimizer updates, each on the next 1/mu of this rank's samples
+    (or DPO pairs). -> (named sums, named maxima) over the updates"""
+    args = run.args
+    units = dpo_pairs(run, batch) if args.algo == "dpo" else list(range(len(batch.tokens)))
+    size = math.ceil(len(units) / args.mini_batches)
+    sums, maxima = {}, {}
+    for m in range(args.mini_batches):
+        part = units[m * size:(m + 1) * size]
+        step_sums, step_maxima = dpo_update(run, batch, part) if args.algo == "dpo" \
+            else policy_gradient_update(run, batch, part)
+        sums, maxima = add(sums, step_sums), top(maxima, step_maxima)
+    return sums, maxima
+
+
+# ----------------------------------------------------------------------------- 6: metrics
+
+REWARD_TERMS = ("correct", "format", "format_ok", "integer", "xml_count", "overlong", "ppl",
+                "efficiency")  # rewards.math_reward's components, and the efficiency bonus
+
+
+def update_means(args):
+    """The policy-gradient metrics logged as means per loss token."""
+    return ["clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "ratio_mean",
+            "entropy"] + ["kl"] * (args.kl != "none") + ["tis_weight"] * bool(args.tis_cap)
+
+
+def step_metrics(run, progress, sampled, kept, surplus, asked, update_sums, update_maxima, seconds):
+    """Step 6: the step's metrics as named sums (and maxima) over all ranks. -> the log row"""
+    args = run.args
+    done = Rollouts.concat(sampled) if sampled else None
+    lengths = [len(t) for t in done.tokens] if done else []
+    sums = {"samples": len(lengths), "correct": sum(done.correct) if done else 0,
+            "reward": sum(done.rewards) if done else 0.0, "length": sum(lengths),
+            "truncated": sum(done.truncated) if done else 0, "ranks": 1, "adversarial_prompts": asked,
+            "groups_sampled": sum(b.num_groups for b in sampled), "groups_kept": kept.num_groups,
+            "groups_missing": args.prompts_per_step // run.world - kept.num_groups,
+            "groups_carried": surplus.num_groups if surplus else 0,
+            "update_tokens": sum(len(p) + len(t) for p, t in zip(kept.prompts, kept.tokens)),
+            **{f"reward_{name}": sum(p.get(name, 0.0) for p in done.reward_parts) if done else 0.0
+               for name in REWARD_TERMS}, **update_sums}
+    total = reduce_metrics(sums, {"rounds": len(sampled), **update_maxima})
+    ranks, n = total["ranks"], max(1.0, total["samples"])
+    updates = total.get("updates", 0.0) / ranks
+    applied = updates - total.get("skipped_updates", 0.0) / ranks
+    tokens = max(1.0, total.get("loss_tokens", 0.0))
+    row = {"step": progress.step + 1, "updates": progress.updates + int(applied),
+           "lr": run.optimizer.param_groups[0]["lr"], "level": getattr(run.source, "level", None),
+           "reward": total["reward"] / n, "accuracy": total["correct"] / n,
+           **{f"reward_{name}": total[f"reward_{name}"] / n for name in REWARD_TERMS},
+           "response_length": total["length"] / n, "truncated": total["truncated"] / n,
+           **{name: int(total[name]) for name in ("groups_sampled", "groups_kept", "groups_missing",
+                                                   "groups_carried", "adversarial_prompts")},
+           "groups_kept_per_rank": gather(kept.num_groups, run.world), "rounds": int(total["rounds"]),
+           **{name: total.get(name, 0.0) / tokens for name in update_means(args)},
+           "ratio_max": total.get("ratio_max"),  # None when no update had a loss token
+           "sampler_trainer_mismatch": total.get("mismatch", 0.0) / max(1.0, total.get("mismatch_tokens", 0.0)),
+           "grad_norm": total.get("grad_norm", 0.0) / max(1.0, applied * ranks),
+           "skipped_updates": int(updates - applied), "empty_updates": int(total.get("empty_updates", 0) / ranks),
+           "skipped_updates_total": progress.skipped_updates + int(updates - applied)}
+    if args.algo == "dpo":
+        row.update(pairs=int(total.get("pairs", 0)), **{name: total[name] / max(1.0, total["pairs"])
+                                                       for name in total if name.startswith("dpo_")})
+    for stage in ("rollout", "scoring", "update"):
+        row[f"seconds_{stage}"] = seconds[stage]
+    row["tokens_per_second_rollout"] = total["length"] / ranks / max(seconds["rollout"], 1e-9)
+    row["tokens_per_second_update"] = total["update_tokens"] / ranks / max(seconds["update"], 1e-9)
+    # Scoring (step 4) is a pass of its own only with several updates per step.
+    row["tokens_per_second_scoring"] = (total["update_tokens"] / ranks / max(seconds["scoring"], 1e-9)
+                                        if args.mini_batches > 1 else None)
+    return row
+
+
+def shared_prompt_accuracy(run, progress, sampled):
+    """Every rank's prompt accuracies of this step folded into one running table, the same on
+    every rank (the adaptive budget reads it; prompts move between ranks each epoch)."""
+    seen = [(record["id"], sum(batch.correct[start:start + size]) / size)
+            for batch in sampled
+            for record, start, size in zip(batch.records, group_starts(batch), batch.group_sizes)]
+    table = dict(progress.prompt_accuracy)
+    for rank_seen in gather(seen, run.world):
+        for prompt_id, accuracy in rank_seen:
+            dapo.update_accuracy(table, prompt_id, accuracy)
+    return table
+
+
+def group_starts(batch):
+    starts, at = [], 0
+    for size in batch.group_sizes:
+        starts.append(at)
+        at += size
+    return starts
+
+
+# ----------------------------------------------------------------------------- one training step
+
+def train_step(run, progress):
+    """One training step, numbered as in the module docstring. -> (progress after it, its row)"""
+    args = run.args
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr_at(progress.step, args)
+    start = time.perf_counter()
+    with torch.no_grad():
+        kept, sampled, surplus, asked = collect_rollouts(run, progress)  # 1-2
+    sampled_at = time.perf_counter()
+    batch = with_advantages(run, kept)                                   # 3
+    batch = with_old_logprobs(run, batch)                                # 4
+    scored_at = time.perf_counter()
+    run.policy.train()
+    update_sums, update_maxima = update(run, batch)                      # 5
+    refresh_sampler(run)
+    end = time.perf_counter()
+    seconds = {"rollout": sampled_at - start, "scoring": scored_at - sampled_at, "update": end - scored_at}
+    row = step_metrics(run, progress, sampled, kept, surplus, asked,     # 6
+                       update_sums, update_maxima, seconds)
+
+    ema = row["accuracy"] if progress.accuracy_ema is None else \
+        0.8 * progress.accuracy_ema + 0.2 * row["accuracy"]
+    if args.curriculum and isinstance(run.source, data.ArithmeticTask) and ema > args.curriculum:
+        run.source.harder()  # the task never runs out of headroom
+        ema = 0.5 * args.curriculum
+    row["accuracy_ema"] = ema
+    progress = replace(progress, step=progress.step + 1, updates=row["updates"],
+                       train_seconds=progress.train_seconds + end - start, accuracy_ema=ema,
+                       skipped_updates=row["skipped_updates_total"], carry=surplus,
+                       prompt_accuracy=shared_prompt_accuracy(run, progress, sampled))
+    row["train_seconds"] = progress.train_seconds
+    return progress, row
+
+
+# ----------------------------------------------------------------------------- evaluation, checkpoints, logs
+
+@torch.no_grad()
+def heldout_accuracy(run, batch_size=64):
+    """Greedy pass@1 on the held-out problems (eval.py also reports avg@k, pass@k, maj@k)."""
+    args, tokenizer = run.args, run.tokenizer
+    prompts = [data.format_prompt(r, tokenizer, args.template) for r in run.heldout]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less padding
+    right, length, truncated = 0, 0, 0
+    for at in range(0, len(order), batch_size):
+        rows = order[at:at + batch_size]
+        completions = generate(run.sampler.eval(), [prompts[i] for i in rows], num_samples=1,
+                               max_new_tokens=args.max_new_tokens, temperature=0.0,
+                               stop_token_ids=run.stop_ids)
+        for i, c in zip(rows, completions):
+            text = tokenizer.decode(c.tokens, skip_special_tokens=True)
+            right += rewards.is_correct(text, run.heldout[i]["answer"])
+            length += len(c.tokens)
+            truncated += c.finish_reason == "length"
+    n = len(prompts)
+    return {"pass@1": right / n, "n": n, "mean_length": length / n, "truncated": truncated / n}
+
+
+def evaluate_and_log(run, progress):
+    started = time.perf_counter()
+    result = heldout_accuracy(run)
+    print(f"step {progress.step}: held-out accuracy {result['pass@1']:.3f} on {result['n']} "
+          f"problems ({time.perf_counter() - started:.0f} s)", flush=True)
+    runs.append_line(os.path.join(run.args.out, "eval.jsonl"),
+                     {"step": progress.step, "train_seconds": progress.train_seconds, **result})
+    return result
+
+
+def save_checkpoint(run, progress):
+    """checkpoint.pt, written whole before it replaces the last one, which stays as
+    checkpoint-previous.pt. Each rank's own state (RNGs, data position, carried groups) is
+    gathered; rank 0 writes."""
+    per_rank = gather({"rng": runs.rng_state(), "variant_rng": run.variant_rng.getstate(),
+                       "data": run.stream.state_dict(),
+                       "carry": dataclasses.asdict(progress.carry) if progress.carry else None},
+                      run.world)
+    if run.rank == 0:
+        runs.save_checkpoint(run.args.out, {
+            "model": run.policy.state_dict(), "optimizer": run.optimizer.state_dict(),
+            "per_rank": per_rank, "progress": {f.name: getattr(progress, f.name)
+                                               for f in dataclasses.fields(progress) if f.name != "carry"}})
+
+
+def load_checkpoint(run):
+    """The run's state at its last checkpoint -> Progress (a fresh one if there is none yet)."""
+    state = runs.load_checkpoint(run.args.out)
+    if state is None:  # killed before its first checkpoint: start over
+        return Progress()
+    if "progress" not in state:
+        sys.exit(f"train.py: --resume: {run.args.out} was written by an older train.py; start anew")
+    run.policy.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    # A run resumed on more ranks than it had: new ranks take rank 0's data position and RNGs,
+    # no carried groups, and their own fresh variant RNG (on fewer ranks, the missing ranks'
+    # carried groups are dropped: they were surplus).
+    per_rank = state["per_rank"]
+    mine = per_rank[run.rank] if run.rank < len(per_rank) else \
+        {**per_rank[0], "carry": None, "variant_rng": None}
+    runs.set_rng_state(mine["rng"])
+    run.stream.load_state_dict(mine["data"])
+    if mine["variant_rng"] is not None:
+        run.variant_rng.setstate(runs.as_random_state(mine["variant_rng"]))
+    refresh_sampler(run)
+    carry = Rollouts(**mine["carry"]) if mine["carry"] else None
+    return Progress(**state["progress"], carry=carry)
+
+
+def open_run_directory(run, progress):
+    """config.json for a new run; on resume, the log lines written after the checkpoint go (the
+    steps after it run again), the step-0 evaluation too if no checkpoint was written yet."""
+    args = run.args
+    if not args.resume:
+        runs.write_config(args.out, {k: v for k, v in vars(args).items() if k != "device"})
+    runs.trim_log(os.path.join(args.out, "metrics.jsonl"), progress.step)
+    runs.trim_log(os.path.join(args.out, "eval.jsonl"), progress.step if progress.step else -1)
+
+
+def describe(run):
+    """What this run is, in a few lines (every flag is in config.json)."""
+    args = run.args
+    params = sum(p.numel() for p in run.policy.parameters()) / 1e6
+    precision = "bf16 rollouts and autocast updates, fp32 weights" if run.bf16 else "float32"
+    cpu = " with the CPU defaults" if args.model is None and args.preset == "dapo" else ""
+    method = f"{args.algo} {args.adv_estimator}, {args.loss_agg}, clip {args.eps_low}/{args.eps_high}" \
+        if args.algo == "pg" else f"DPO ({args.dpo_pairs} pairs), beta {args.dpo_beta}"
+    return "\n".join([
+        f"model     {args.model or 'bundled SmolLM2-135M-Instruct'}: {params:.0f}M parameters, "
+        f"{precision}" + (f", LoRA rank {args.lora_rank}" if args.lora_rank else ""),
+        f"data      {args.data} (template {args.template}), held-out: "
+        f"{len(run.heldout) if run.heldout else 'none'}",
+        f"method    preset {args.preset}{cpu}: {method}, dynamic sampling "
+        f"{'on' if args.dynamic_sampling else 'off'}",
+        f"each step {args.prompts_per_step} prompts x {args.samples} samples of <= "
+        f"{args.max_new_tokens} tokens, {args.mini_batches} update(s), lr {args.lr:g} ({args.lr_schedule})",
+        f"length    {args.steps} steps" + (f" or {args.time_limit:g} training minutes" if args.time_limit else ""),
+        f"run       {args.out} (every flag: config.json)"])
+
+
+# ----------------------------------------------------------------------------- setup and main
 
 def load_data(args, tokenizer, context):
     """-> (training source: ArithmeticTask or records, held-out records or None), all checked."""
@@ -576,417 +842,99 @@ def load_data(args, tokenizer, context):
     return source, heldout
 
 
-def evaluate_heldout(policy, tokenizer, records, args, stop_ids):
-    import eval as evaluation
-    summary, _ = evaluation.evaluate(policy, tokenizer, records, k=1, temperature=0.0,
-                                     max_new_tokens=args.max_new_tokens, template=args.template,
-                                     batch_size=64, progress=False)
-    return summary
-
-
-def plot_run(run_dir):
-    """Learning curve of a run directory -> run_dir/curve.png (needs matplotlib, optional)."""
+def setup(args):
+    """The model, its copies, the optimizer and the data of a run -> Run."""
+    rank, world, device = setup_distributed()
+    args.device = device
+    args.out = args.resume or args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    if not args.resume and not args.bench and os.path.exists(args.out):
+        sys.exit(f"train.py: --out {args.out} already exists; use --resume {args.out} or a new --out")
+    if args.prompts_per_step % world:
+        sys.exit(f"train.py: --prompts-per-step {args.prompts_per_step} must be a multiple of the "
+                 f"{world} ranks")
+    torch.manual_seed(args.seed + rank)
+    random.seed(args.seed + rank)
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        sys.exit("train.py: --plot needs matplotlib (pip install matplotlib)")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(l) for l in f if l.strip()]
-    evals = []
-    if os.path.exists(os.path.join(run_dir, "eval.jsonl")):
-        with open(os.path.join(run_dir, "eval.jsonl")) as f:
-            evals = [json.loads(l) for l in f if l.strip()]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["train_seconds"] / 60 for r in rows], [r["accuracy"] for r in rows], ".", alpha=0.5,
-            label="training samples (temperature %.1f, rising difficulty)" % rows[0].get("temperature", 1.0)
-            if "temperature" in rows[0] else "training samples")
-    ax.plot([e["train_seconds"] / 60 for e in evals], [e["pass@1"] for e in evals], "o-",
-            label=f"held-out, greedy ({evals[0]['n']} problems)" if evals else "held-out")
-    ax.set_xlabel("training minutes (evaluation excluded)")
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    ax.set_title(os.path.basename(os.path.normpath(run_dir)))
-    fig.tight_layout()
-    out = os.path.join(run_dir, "curve.png")
-    fig.savefig(out, dpi=100)
-    print(out)
+        policy, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
+    except (OSError, ValueError) as e:
+        sys.exit(f"train.py: --model: {e}")
+    policy.train()
+    policy.gradient_checkpointing = args.activation_checkpointing
+    if args.lora_rank:
+        add_lora(policy, rank=args.lora_rank, alpha=args.lora_alpha)
+    if args.template is None:
+        args.template = "none" if str(args.data).startswith("arithmetic") else "dapo"
+    try:  # every row is checked before any training
+        source, heldout = load_data(args, tokenizer, policy.config.max_seq_len)
+    except data.DataError as e:
+        sys.exit(f"train.py: --data: {e}")
+    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and (device.type == "cuda" or cpu_has_bf16()))
+    needs_reference = (args.kl != "none" or args.algo == "dpo") and args.ref == "frozen"
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    return Run(
+        args=args, rank=rank, world=world, policy=policy, tokenizer=tokenizer,
+        model=torch.nn.parallel.DistributedDataParallel(
+            policy, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else policy,
+        # Rollouts on a bf16 copy where bf16 is fast, refreshed after every step.
+        sampler=copy.deepcopy(policy).to(torch.bfloat16).eval() if bf16 and not args.lora_rank else policy,
+        reference=copy.deepcopy(policy).eval().requires_grad_(False) if needs_reference else None,
+        stop_ids=stop_token_ids(tokenizer),
+        step_separators=[i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])]
+        if args.algo == "dpo" and args.dpo_pairs == "step" else [],
+        optimizer=torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay,
+                                    betas=(0.9, 0.999), fused=True),  # one kernel for all tensors
+        source=source, heldout=heldout, bf16=bf16,
+        stream=data.PromptStream(source, args.prompts_per_step, seed=args.seed, rank=rank, world_size=world),
+        variant_rng=random.Random(f"{args.seed}:adversarial:{rank}"))
 
 
 def main(argv=None):
-    args, explicit = parse_config(argv)
+    args, explicit = config.parse_config(argv)
     if args.plot:
-        return plot_run(args.plot)
+        return runs.plot(args.plot)
     if args.bench and "steps" not in explicit:
         args.steps = 3
-    rank, world, device = setup_distributed()
-    args.device = device
-    if args.resume:
-        config_path = os.path.join(args.resume, "config.json")
-        if not os.path.isfile(config_path):
-            sys.exit(f"train.py: --resume {args.resume}: no config.json there (not a run directory)")
-        with open(config_path) as f:
-            saved = json.load(f)
-        # The saved config wins, except what this command line sets explicitly (e.g. --steps).
-        keep = {k: getattr(args, k) for k in explicit | {"resume"}}
-        for key, value in saved.items():
-            setattr(args, key, value)
-        args.__dict__.update(keep)
-        args.out, args.device = args.resume, device
-    elif args.out is None:
-        args.out = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    if not args.resume and not args.bench and os.path.exists(args.out):
-        sys.exit(f"train.py: --out {args.out} already exists; use --resume {args.out} or a new --out")
-    torch.manual_seed(args.seed + rank)
-    random.seed(args.seed + rank)
-
-    use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and (
-        device.type == "cuda" or cpu_has_bf16()))
-    try:
-        model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
-    except (OSError, ValueError) as e:
-        sys.exit(f"train.py: --model: {e}")
-    model.train()
-    model.gradient_checkpointing = args.activation_checkpointing
-    if args.lora_rank:
-        add_lora(model, rank=args.lora_rank, alpha=args.lora_alpha)
-    if args.template is None:
-        args.template = "none" if str(args.data).startswith("arithmetic") else "dapo"
-    import eval as evaluation
-    stop_ids = evaluation.stop_token_ids(tokenizer)
-
-    # Data: validated in full before any training.
-    try:
-        source, heldout = load_data(args, tokenizer, model.config.max_seq_len)
-    except data.DataError as e:
-        sys.exit(f"train.py: --data: {e}")
-    stream = data.PromptStream(source, args.prompts_per_step, seed=args.seed, rank=rank,
-                               world_size=world)
-
-
-    # Reference policy (KL, GKL, DPO): a frozen copy, or the same weights with LoRA off.
-    ref_model = None
-    if (args.kl != "none" or args.algo == "dpo") and args.ref == "frozen":
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-
-    def ref_forward(fn):
-        if ref_model is not None:
-            return fn(ref_model)
-        with lora_disabled(model):
-            return fn(getattr(model, "module", model))
-
-    # Rollouts run in bf16 on a copy refreshed after each update (and after a resume), where
-    # bf16 is fast.
-    rollout_model = None
-    if use_bf16 and not args.lora_rank:
-        rollout_model = copy.deepcopy(model).to(torch.bfloat16).eval()
-
-    @torch.no_grad()
-    def refresh_rollout_copy():
-        if rollout_model is not None:
-            for p_roll, p in zip(rollout_model.parameters(), inner.parameters()):
-                p_roll.copy_(p)
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.999), fused=True)  # one kernel for all tensors
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, args))
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
-    inner = getattr(model, "module", model)
-
-    def autocast():
-        if use_bf16:
-            return torch.autocast(device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    # State that a checkpoint restores.
-    step, carry, accuracy_tracker, train_acc_ema, resumed_seconds = 0, [], {}, None, 0.0
-    counters = {"skipped_updates": 0, "missing_groups": 0}
-    checkpoint_path = os.path.join(args.out, "checkpoint.pt")
-    rank_state = {}
-    if args.resume and os.path.exists(checkpoint_path):
-        # On the CPU: RNG states must stay there; load_state_dict copies the rest to the device.
-        ckpt = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
-        inner.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        per_rank = ckpt.get("per_rank") or [  # a first-version checkpoint shared these two
-            {**rngs, "data": ckpt["data"], "accuracy_tracker": ckpt["accuracy_tracker"]}
-            for rngs in ckpt["rng"]]
-        # A run resumed on more ranks than it had: new ranks take rank 0's data position and
-        # RNGs, no carried groups, and their own fresh adversarial RNG. (On fewer ranks, the
-        # groups the missing ranks carried are dropped: they were surplus.)
-        rank_state = (per_rank[rank] if rank < len(per_rank) else
-                      {k: v for k, v in per_rank[0].items() if k not in ("carry", "adversarial")})
-        set_rng_state(rank_state)
-        stream.load_state_dict(rank_state["data"])
-        accuracy_tracker = rank_state["accuracy_tracker"]
-        step, train_acc_ema, counters = ckpt["step"], ckpt["train_acc_ema"], ckpt["counters"]
-        resumed_seconds = ckpt.get("train_seconds", 0.0)
-        carry = groups_from_plain(rank_state.get("carry", []))  # surplus groups, --keep-surplus
-        refresh_rollout_copy()
-    if rank == 0 and not args.bench:
-        os.makedirs(args.out, exist_ok=True)
-        if not args.resume:
-            with open(os.path.join(args.out, "config.json"), "w") as f:
-                json.dump({k: v for k, v in vars(args).items() if k != "device"}, f, indent=2)
-        # On resume, drop the log lines written after the checkpoint (they will be written again).
-        drop_lines_after(os.path.join(args.out, "metrics.jsonl"), step)
-        # With no checkpoint yet the run starts over, its step-0 evaluation included.
-        drop_lines_after(os.path.join(args.out, "eval.jsonl"), step if step else -1)
-        print(f"config: {json.dumps({k: v for k, v in vars(args).items() if k != 'device'}, default=str)}")
-
-    def log(msg):
-        if rank == 0:
-            print(msg, flush=True)
-
-    policy_for_rollout = lambda: rollout_model if rollout_model is not None else inner
-    if heldout and rank == 0 and not args.bench and step == 0:
-        t = time.perf_counter()
-        before = evaluate_heldout(policy_for_rollout().eval(), tokenizer, heldout, args, stop_ids)
-        inner.train()
-        log(f"held-out accuracy before training: {before['pass@1']:.3f} on {before['n']} problems "
-            f"({time.perf_counter() - t:.0f} s)")
-        with open(os.path.join(args.out, "eval.jsonl"), "a") as f:
-            f.write(json.dumps({"step": 0, "train_seconds": 0.0, **before}) + "\n")
-
-    task_rng = random.Random(f"{args.seed}:adversarial:{rank}")  # draws the harder variants
-    if "adversarial" in rank_state:
-        task_rng.setstate(as_random_state(rank_state["adversarial"]))
-    train_seconds = resumed_seconds  # the time limit counts the whole run, across resumes
-    bench_rows = []
+    run = setup(args)
+    progress = load_checkpoint(run) if args.resume else Progress()
+    rank0, writes = run.rank == 0, run.rank == 0 and not args.bench
+    if writes:
+        open_run_directory(run, progress)
+        print(describe(run), flush=True)
+        if run.heldout and progress.step == 0:
+            evaluate_and_log(run, progress)
     from tqdm import tqdm
-    bar = tqdm(total=None if args.time_limit else args.steps, initial=step,
-               disable=rank != 0 or args.bench, desc="train", unit="step")
-    while step < args.steps:
-        # Every rank must stop at the same step (or the others hang in the next collective),
-        # and their clocks differ: stop when any rank is over the limit.
-        over = torch.tensor(float(bool(args.time_limit) and train_seconds > args.time_limit * 60))
-        if all_reduce(over, dist.ReduceOp.MAX) > 0:
-            log(f"time limit of {args.time_limit} minutes reached after {step} steps")
-            break
-        t0 = time.perf_counter()
-        per_rank = args.prompts_per_step // world
-
-        # 1-2. Rollout and reward, with dynamic sampling (bounded refills).
-        policy = policy_for_rollout().eval()
-        timing = {"rollout": 0.0, "scoring": 0.0}
-        gen_tokens = [0]
-
-        def sample_round(round_index, num_missing, extra_prompts):
-            records = list(extra_prompts)
-            fresh = next(stream) if round_index == 0 or len(records) < per_rank else []
-            records = (records + fresh)[:max(per_rank, len(records))]
-            if args.adaptive_budget:
-                accs = [accuracy_tracker.get(r["id"]) for r in records]
-                counts = dapo.adaptive_num_samples(accs, total=len(records) * args.samples,
-                                                   min_samples=2, max_samples=2 * args.samples)
-            else:
-                counts = [args.samples] * len(records)
-            ts = time.perf_counter()
-            # A seed per prompt from its global position: samples do not depend on world size.
-            first = stream.step * args.prompts_per_step + rank * per_rank
-            seeds = [random.Random(f"{args.seed}:{step}:{round_index}:{first + i}").getrandbits(62)
-                     for i in range(len(records))]
-            groups = sample_groups(policy, tokenizer, records, args, stop_ids, seeds, counts)
-            timing["rollout"] += time.perf_counter() - ts
-            gen_tokens[0] += sum(len(c.tokens) for g in groups for c in g["completions"])
-            for g in groups:
-                dapo.update_accuracy(accuracy_tracker, g["record"]["id"],
-                                     sum(g["correct"]) / len(g["correct"]))
-            all_groups.extend(groups)
-            return groups
-
-        all_groups = []
-        with torch.no_grad():
-            if args.dynamic_sampling and args.algo == "pg":
-                groups, report = dapo.dynamic_sample(
-                    sample_round, per_rank, 1 + args.max_refills, carry=carry,
-                    keep_surplus=args.keep_surplus,
-                    transform=transform_for(task_rng) if args.adversarial else None)
-                carry = report.pop("carry")
-            else:
-                groups = sample_round(0, per_rank, [])
-                report = {"rounds": 1, "kept": len(groups), "missing": 0}
-        t_rollout = time.perf_counter() - t0
-
-        # 3. Advantages over each kept group (group ids numbered globally for the aggregation).
-        ts = time.perf_counter()
-        inner.train()
-        samples = {"prompt": [], "tokens": [], "advantage": [], "group_id": [], "truncated": [],
-                   "sampler_logp": [], "old_logp": []}
-        if groups:
-            flat_rewards = torch.tensor([r for g in groups for r in g["rewards"]])
-            sizes = [len(g["rewards"]) for g in groups]
-            kind = args.adv_estimator
-            if kind == "reinforce_baseline" and world > 1:
-                adv = dapo.group_advantages(flat_rewards, sizes, "dr_grpo")
-                # whiten over all ranks' samples, not this rank's share
-                moments = all_reduce(torch.tensor([adv.sum(), (adv ** 2).sum(), adv.numel()],
-                                                  dtype=torch.float64))
-                mean = moments[0] / moments[2]
-                std = (moments[1] / moments[2] - mean ** 2).clamp(min=0).sqrt()
-                adv = ((adv - mean) / (std + 1e-6)).float()
-            else:
-                adv = dapo.group_advantages(flat_rewards, sizes, kind)
-        else:
-            adv = torch.zeros(0)
-            if args.adv_estimator == "reinforce_baseline" and world > 1:
-                all_reduce(torch.zeros(3, dtype=torch.float64))
-        i = 0
-        for gi, g in enumerate(groups):
-            for c, trunc in zip(g["completions"], g["truncated"]):
-                samples["prompt"].append(g["prompt"])
-                samples["tokens"].append(c.tokens)
-                samples["advantage"].append(float(adv[i]))
-                samples["group_id"].append(rank * 100_000 + gi)
-                samples["truncated"].append(trunc)
-                samples["sampler_logp"].append(c.logprobs)
-                samples["old_logp"].append(None)
-                i += 1
-        if args.mini_batches > 1 and samples["prompt"]:  # old log-probs, before any update
-            with torch.no_grad(), autocast():
-                for s in range(0, len(samples["prompt"]), args.micro_batch_size):
-                    rows = range(s, min(len(samples["prompt"]), s + args.micro_batch_size))
-                    ids, attn, mask, P = pack([samples["prompt"][r] for r in rows],
-                                              [samples["tokens"][r] for r in rows], device)
-                    lp = policy_logprobs(inner, ids, attn, P, args).float().cpu()
-                    for j, r in enumerate(rows):
-                        samples["old_logp"][r] = lp[j, :len(samples["tokens"][r])].tolist()
-        t_scoring = time.perf_counter() - ts
-
-        # 4-5. Updates.
-        ts = time.perf_counter()
-        if args.algo == "dpo":
-            upd = dpo_update(model, ref_forward, optimizer, scheduler, groups, args, world, autocast)
-        else:
-            upd = pg_update(model, ref_forward, optimizer, scheduler, samples, args, world, autocast)
-        refresh_rollout_copy()
-        t_update = time.perf_counter() - ts
-        step += 1
-        train_seconds += time.perf_counter() - t0
-
-        # Metrics: summed over ranks, written by rank 0.
-        all_c = [parts for g in all_groups for parts in g["components"]]
-        lengths = [len(c.tokens) for g in all_groups for c in g["completions"]]
-        mism = [abs(a - b) for i2 in range(len(samples["prompt"])) if samples["old_logp"][i2]
-                for a, b in zip(samples["sampler_logp"][i2], samples["old_logp"][i2])]
-        upd_tokens = sum(len(t) + len(p) for t, p in zip(samples["tokens"], samples["prompt"]))
-        sums = torch.tensor([len(all_c), sum(p["accuracy"] for p in all_c),
-                             sum(r for g in all_groups for r in g["rewards"]),
-                             sum(lengths), sum(g["truncated"].count(True) for g in all_groups),
-                             len(groups), float(report.get("missing", 0)), len(mism), sum(mism),
-                             gen_tokens[0], upd_tokens, len(all_groups),
-                             sum(p.get("overlong", 0.0) for p in all_c),
-                             sum(p.get("format", 0.0) for p in all_c),
-                             sum(p.get("ppl", 0.0) for p in all_c),
-                             sum(p.get("efficiency", 0.0) for p in all_c),
-                             report.get("surplus_carried", 0), report.get("adversarial_prompts", 0)],
-                            dtype=torch.float64)
-        all_reduce(sums)
-        kept_per_rank = [len(groups)]
-        if world > 1:
-            kept_per_rank = [None] * world
-            dist.all_gather_object(kept_per_rank, len(groups))
-        n = max(1.0, float(sums[0]))
-        train_acc = float(sums[1]) / n
-        train_acc_ema = train_acc if train_acc_ema is None else 0.8 * train_acc_ema + 0.2 * train_acc
-        counters["skipped_updates"] += upd.get("skipped_updates", 0)
-        counters["missing_groups"] += int(sums[6])
-        level = getattr(source, "level", None)
-        if (args.curriculum and isinstance(source, data.ArithmeticTask)
-                and train_acc_ema > args.curriculum):
-            source.harder()  # the task never runs out of headroom
-            train_acc_ema = 0.5 * args.curriculum
-        row = {
-            "step": step, "lr": scheduler.get_last_lr()[0], "level": level,
-            "reward": float(sums[2]) / n, "accuracy": train_acc, "accuracy_ema": train_acc_ema,
-            "reward_overlong": float(sums[12]) / n, "reward_format": float(sums[13]) / n,
-            "reward_ppl": float(sums[14]) / n, "reward_efficiency": float(sums[15]) / n,
-            "response_length": float(sums[3]) / n, "truncated": float(sums[4]) / n,
-            "groups_sampled": int(sums[11]), "groups_kept": int(sums[5]),
-            "groups_missing": int(sums[6]), "groups_carried": int(sums[16]),
-            "adversarial_prompts": int(sums[17]), "groups_kept_per_rank": kept_per_rank,
-            "rounds": report.get("rounds", 1),
-            "sampler_trainer_mismatch": float(sums[8]) / max(1.0, float(sums[7])),
-            **{k: v for k, v in upd.items()},
-            "skipped_updates_total": counters["skipped_updates"],
-            "seconds_rollout": t_rollout, "seconds_scoring": t_scoring, "seconds_update": t_update,
-            "tokens_per_second_rollout": float(sums[9]) / max(t_rollout, 1e-9),
-            "tokens_per_second_update": float(sums[10]) / max(t_update, 1e-9),
-            # Re-scoring (old log-probs) is a pass of its own only with several mini-batches.
-            "tokens_per_second_scoring": (float(sums[10]) / max(t_scoring, 1e-9)
-                                          if args.mini_batches > 1 else None),
-            "train_seconds": train_seconds,
-        }
+    bar = tqdm(total=args.steps, initial=progress.step, disable=not writes, desc="train", unit="step",
+               dynamic_ncols=True)
+    last_save, over_time = time.monotonic(), False
+    while progress.step < args.steps and not over_time:
+        progress, row = train_step(run, progress)
+        # Every rank must stop at the same step (or the others hang in the next collective), and
+        # their clocks differ (rank 0 alone evaluates): the decisions are maxed over ranks.
+        flags = reduce_metrics({}, {
+            "over_time": float(bool(args.time_limit) and progress.train_seconds > args.time_limit * 60),
+            "save_due": float(time.monotonic() - last_save > args.checkpoint_minutes * 60 or bool(
+                args.checkpoint_every and progress.step % args.checkpoint_every == 0))})
+        over_time = flags["over_time"] > 0
         if args.bench:
-            bench_rows.append(row)
-            log(f"step {step}: rollout {t_rollout:.1f} s, scoring {t_scoring:.1f} s, update "
-                f"{t_update:.1f} s ({row['tokens_per_second_rollout']:.0f} / "
-                f"{row['tokens_per_second_update']:.0f} tok/s)")
+            print(f"step {progress.step}: rollout {row['seconds_rollout']:.1f} s, scoring "
+                  f"{row['seconds_scoring']:.1f} s, update {row['seconds_update']:.1f} s", flush=True)
             continue
-        if rank == 0:
-            with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(row) + "\n")
+        if rank0:
+            runs.append_line(os.path.join(args.out, "metrics.jsonl"), row)
             bar.update(1)
-            bar.set_postfix_str(f"acc {train_acc:.2f} kept {int(sums[5])}/{int(sums[11])} "
-                                f"len {row['response_length']:.0f}")
-        if heldout and rank == 0 and args.eval_every and step % args.eval_every == 0:
-            res = evaluate_heldout(policy_for_rollout().eval(), tokenizer, heldout, args, stop_ids)
-            inner.train()
-            log(f"step {step}: held-out accuracy {res['pass@1']:.3f}")
-            with open(os.path.join(args.out, "eval.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, "train_seconds": train_seconds, **res}) + "\n")
-        if step % args.checkpoint_every == 0 or step == args.steps:
-            # What each rank alone holds: its RNGs, its data position (refills draw different
-            # numbers of batches on different ranks), its prompts' accuracies, and the groups it
-            # carries into the next step.
-            per_rank = [{**rng_state(), "adversarial": task_rng.getstate(),
-                         "data": stream.state_dict(), "accuracy_tracker": accuracy_tracker,
-                         "carry": groups_to_plain(carry)}]
-            if world > 1:
-                gathered = [None] * world
-                dist.all_gather_object(gathered, per_rank[0])
-                per_rank = gathered
-            if rank == 0:
-                atomic_torch_save({"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
-                                   "scheduler": scheduler.state_dict(), "per_rank": per_rank,
-                                   "step": step, "train_acc_ema": train_acc_ema,
-                                   "counters": counters, "train_seconds": train_seconds},
-                                  checkpoint_path)
+            bar.set_postfix_str(f"acc {row['accuracy']:.2f} kept {row['groups_kept']}/"
+                                f"{row['groups_sampled']} len {row['response_length']:.0f} | "
+                                f"{progress.train_seconds / 60:.1f}/{args.time_limit:g} min")
+            if run.heldout and args.eval_every and progress.step % args.eval_every == 0:
+                evaluate_and_log(run, progress)
+        if flags["save_due"] or over_time or progress.step == args.steps:
+            save_checkpoint(run, progress)
+            last_save = time.monotonic()
     bar.close()
-
-    if args.bench:
-        for key in ("seconds_rollout", "seconds_scoring", "seconds_update"):
-            vals = [r[key] for r in bench_rows]
-            log(f"{key}: mean {sum(vals) / len(vals):.2f}")
-    elif rank == 0:
-        after = None
-        if heldout:
-            eval_path = os.path.join(args.out, "eval.jsonl")
-            last = {"step": -1}
-            if os.path.exists(eval_path):
-                with open(eval_path) as f:
-                    last = ([json.loads(l) for l in f if l.strip()] or [last])[-1]
-            if last["step"] == step:  # evaluated at this very step already
-                after = last
-            else:
-                after = evaluate_heldout(policy_for_rollout().eval(), tokenizer, heldout, args, stop_ids)
-                with open(os.path.join(args.out, "eval.jsonl"), "a") as f:
-                    f.write(json.dumps({"step": step, "train_seconds": train_seconds, **after}) + "\n")
-        save_model(inner, tokenizer, os.path.join(args.out, "final"))
-        summary = {"out": args.out, "steps": step, "train_minutes": round(train_seconds / 60, 2),
-                   "skipped_updates": counters["skipped_updates"]}
-        if after:
-            with open(os.path.join(args.out, "eval.jsonl")) as f:
-                first = json.loads(f.readline())
-            summary.update({"heldout_before": first["pass@1"], "heldout_after": after["pass@1"]})
-        print(json.dumps(summary), flush=True)
+    if over_time and rank0:
+        print(f"time limit of {args.time_limit:g} minutes reached after {progress.step} steps", flush=True)
+    if writes:
+        finish(run, progress)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -996,6 +944,22 @@ def main(argv=None):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def finish(run, progress):
+    """The held-out accuracy at the end (unless just measured), final/, and a summary line."""
+    args, evals = run.args, []
+    if run.heldout:
+        evals = runs.read_lines(os.path.join(args.out, "eval.jsonl"))
+        if not evals or evals[-1]["step"] != progress.step:
+            evals.append({"step": progress.step, **evaluate_and_log(run, progress)})
+    save_model(run.policy, run.tokenizer, os.path.join(args.out, "final"))
+    summary = {"out": args.out, "steps": progress.step, "updates": progress.updates,
+               "train_minutes": round(progress.train_seconds / 60, 2),
+               "skipped_updates": progress.skipped_updates}
+    if evals:
+        summary.update(heldout_before=evals[0]["pass@1"], heldout_after=evals[-1]["pass@1"])
+    print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":

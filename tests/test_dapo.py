@@ -1,5 +1,5 @@
-"""Tests for dapo.py: advantage vectors, group filtering, dynamic sampling (bounded, reported,
-surplus carry, adversarial path), adaptive budget, efficiency bonus, DPO pairs, presets."""
+"""Tests for dapo.py: advantage vectors, group filtering and adversarial requests, adaptive budget,
+efficiency bonus, DPO pairs, presets. (The dynamic-sampling loop itself: tests/test_train.py.)"""
 
 import random
 import sys
@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dapo  # noqa: E402
 from dapo import (LADDER, PRESET_KEYS, PRESETS, adaptive_num_samples, adversarial_requests,  # noqa: E402
-                  classify_group, dpo_pairs, dynamic_sample, efficiency_bonus, group_advantages,
-                  keep_groups, step_dpo_pairs, update_accuracy)
+                  dpo_pairs, efficiency_bonus, group_advantages, keep_groups, moments,
+                  step_dpo_pairs, update_accuracy, whiten)
 from losses import AGGREGATIONS  # noqa: E402
 
 F64 = torch.float64
@@ -77,10 +77,30 @@ def test_all_equal_group_has_zero_advantage():
     r = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -1.0])
     for kind in ("grpo", "dr_grpo", "rloo", "reinforce_baseline"):
         assert group_advantages(r, 3, kind).abs().max().item() == 0.0
+    # Shaped rewards of one value that float32 cannot hold exactly (0.1): the mean rounds, and
+    # (r - mean) / (std + eps) used to turn the rounding into advantages of ~1e-2 noise.
+    r = torch.tensor([0.1, 0.1, 0.1, 0.7, -0.3, 0.1], dtype=torch.float32)
+    for kind in ("grpo", "dr_grpo", "rloo", "reinforce_baseline"):
+        adv = group_advantages(r, 3, kind)
+        assert adv.dtype == torch.float32 and adv[:3].tolist() == [0.0, 0.0, 0.0], kind
+        assert adv[3:].abs().min().item() > 0
+
+
+def test_whitening_is_the_same_over_ranks_as_in_one_process():
+    """REINFORCE-baseline under DDP: each rank whitens its share with the moments summed over
+    ranks, and gets what one process gets on the whole batch (unbiased std in both)."""
+    torch.manual_seed(3)
+    r = torch.randn(16, dtype=F64)
+    whole = group_advantages(r, 4, "reinforce_baseline")
+    centred = [group_advantages(part, 4, "dr_grpo") for part in (r[:8], r[8:])]
+    total = moments(centred[0]) + moments(centred[1])
+    shares = torch.cat([whiten(c, total) for c in centred])
+    torch.testing.assert_close(shares, whole)
+    assert whole.std().item() == pytest.approx(1.0, abs=1e-5)  # unbiased (eps 1e-6 aside)
 
 
 # ---------------------------------------------------------------------------------------------
-# Group filtering and dynamic sampling
+# Group filtering (eq. 11) and adversarial requests
 # ---------------------------------------------------------------------------------------------
 
 def test_keep_groups():
@@ -89,97 +109,15 @@ def test_keep_groups():
     assert keep_groups([0.0, 1.0, 1.0, 0.5, 0.5], [2, 1, 2]).tolist() == [True, False, False]
 
 
-def test_classify_group():
-    assert classify_group({"rewards": [1.0, 1.0]}) == "all_correct"
-    assert classify_group({"rewards": [-1.0, -1.0]}) == "all_wrong"
-    assert classify_group({"rewards": [0.0, 0.0]}) == "all_wrong"               # 1/0 accuracy reward
-    assert classify_group({"rewards": [1.0, -1.0]}) == "informative"
-    # with "correct", eq. 11 is on correctness: overlong penalties alone carry no signal
-    assert classify_group({"rewards": [-1.0, -1.4], "correct": [False, False]}) == "all_wrong"
-    assert adversarial_requests([{"rewards": [1, 1]}, {"rewards": [1, -1]}, {"rewards": [-1, -1]}]) == \
+def test_keep_groups_on_correctness_and_adversarial_requests():
+    # eq. 11 filters on correctness: an all-wrong group whose rewards differ only through a
+    # shaping term (overlong, perplexity) carries no signal
+    assert keep_groups([False, False, True, False, True, True], 2).tolist() == [False, True, False]
+    assert keep_groups([True, True, False, False, True, False], [2, 2, 2]).tolist() == [False, False, True]
+    assert adversarial_requests([True, True, True, False, False, False], [2, 2, 2]) == \
         [(0, "harder"), (2, "hint")]
-
-
-def _group(rewards, prompt="p"):
-    return {"rewards": list(rewards), "prompt": prompt}
-
-
-def test_dynamic_sampling_never_hangs_on_signal_less_groups():
-    calls = []
-
-    def sampler(round_index, num_missing, prompts):
-        calls.append((round_index, num_missing, list(prompts)))
-        return [_group([1, 1, 1, 1]), _group([-1, -1, -1, -1]), _group([1, 1, 1, 1])]
-
-    kept, report = dynamic_sample(sampler, want_groups=4, max_rounds=5)
-    assert kept == [] and len(calls) == 5
-    assert report["rounds"] == 5 and report["missing"] == 4 and report["kept"] == 0
-    assert report["sampled_groups"] == 15 and report["dropped"] == 15
-    assert report["dropped_all_correct"] == 10 and report["dropped_all_wrong"] == 5
-    assert [c[1] for c in calls] == [4] * 5
-    # no budget at all, a sampler returning nothing: still a report
-    assert dynamic_sample(sampler, 3, 0)[1]["missing"] == 3
-    _, report = dynamic_sample(lambda *args: [], 3, 4)
-    assert report["rounds"] == 4 and report["missing"] == 3
-
-
-def _mixed_sampler(log):
-    """Each round: 4 groups, 2 of them informative, each tagged with its round."""
-    def sampler(round_index, num_missing, prompts):
-        log.append(num_missing)
-        return [_group([1, -1], f"r{round_index}a"), _group([1, 1]), _group([-1, 1], f"r{round_index}b"),
-                _group([-1, -1])]
-    return sampler
-
-
-def test_dynamic_sampling_fills_exactly_and_drops_surplus():
-    log = []
-    kept, report = dynamic_sample(_mixed_sampler(log), want_groups=5, max_rounds=10)
-    assert [g["prompt"] for g in kept] == ["r0a", "r0b", "r1a", "r1b", "r2a"]
-    assert log == [5, 3, 1]
-    assert report["rounds"] == 3 and report["kept"] == 5 and report["missing"] == 0
-    assert report["informative"] == 6 and report["surplus_dropped"] == 1 and report["surplus_carried"] == 0
-    assert report["carry"] == [] and report["carried_in"] == 0
-    assert report["dropped_all_correct"] == 3 and report["dropped_all_wrong"] == 3
-
-
-def test_dynamic_sampling_keep_surplus_carries_to_next_step():
-    kept, report = dynamic_sample(_mixed_sampler([]), 5, 10, keep_surplus=True)
-    assert report["surplus_carried"] == 1 and report["surplus_dropped"] == 0
-    assert [g["prompt"] for g in report["carry"]] == ["r2b"]
-    kept2, report2 = dynamic_sample(_mixed_sampler([]), 5, 10, carry=report["carry"], keep_surplus=True)
-    assert [g["prompt"] for g in kept2][:2] == ["r2b", "r0a"]      # carried-in groups first
-    assert report2["carried_in"] == 1 and len(kept2) == 5 and report2["surplus_carried"] == 0
-    # more carried in than wanted: no sampling, the extra (two steps stale) is dropped
-    many = [_group([1, -1], f"c{i}") for i in range(4)]
-    kept3, report3 = dynamic_sample(_mixed_sampler([]), 3, 10, carry=many, keep_surplus=True)
-    assert report3["rounds"] == 0 and len(kept3) == 3 and report3["surplus_dropped"] == 1
-
-
-def test_adversarial_transform_re_asks_signal_less_prompts():
-    seen_prompts = []
-
-    def sampler(round_index, num_missing, prompts):
-        seen_prompts.append(list(prompts))
-        if round_index == 0:
-            return [_group([1, 1, 1], "easy"), _group([-1, -1, -1], "hopeless"), _group([1, -1, 1], "ok")]
-        # the transformed prompts come back informative
-        return [_group([1, -1, -1], p) for p in prompts]
-
-    def transform(group, how):
-        return f"{group['prompt']}+{how}"
-
-    kept, report = dynamic_sample(sampler, want_groups=3, max_rounds=3, transform=transform)
-    assert seen_prompts == [[], ["easy+harder", "hopeless+hint"]]
-    assert [g["prompt"] for g in kept] == ["ok", "easy+harder", "hopeless+hint"]
-    assert report["adversarial_prompts"] == 2 and report["rounds"] == 2 and report["missing"] == 0
-    # a transform may decline (None); without transform nothing is injected
-    seen_prompts.clear()
-    dynamic_sample(sampler, 3, 2, transform=lambda g, how: None if how == "hint" else g["prompt"] + "!")
-    assert seen_prompts == [[], ["easy!"]]
-    seen_prompts.clear()
-    dynamic_sample(sampler, 3, 2)
-    assert seen_prompts == [[], []]
+    assert adversarial_requests([1, 1, 0, 1, 0, 0], 2) == [(0, "harder"), (2, "hint")]
+    assert adversarial_requests([], []) == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,7 +219,8 @@ def test_dapo_preset_is_the_paper():
     p = PRESETS["dapo"]
     assert (p["eps_low"], p["eps_high"], p["clip_c"], p["loss_agg"]) == (0.2, 0.28, 10.0, "token-mean")
     assert p["dynamic_sampling"] and p["overlong_penalty"] and not p["overlong_filter"]
-    assert (p["overlong_cache"], p["kl"], p["correct_reward"], p["wrong_reward"]) == (4096, "none", 1.0, -1.0)
+    assert (p["overlong_cache"], p["kl"], p["correct_reward"], p["wrong_reward"]) == (0.2, "none", 1.0, -1.0)
+    assert p["mini_batches"] == 16  # 512 prompts x 16 samples in mini-batches of 512: 16 updates
     assert (p["lr"], p["warmup_steps"], p["weight_decay"], p["grad_clip"]) == (1e-6, 20, 0.1, 1.0)
     assert (p["temperature"], p["top_p"]) == (1.0, 1.0)
     g = PRESETS["grpo"]

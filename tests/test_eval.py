@@ -149,15 +149,17 @@ def chat_ckpt(tmp_path_factory):
 
 
 def test_stop_token_ids(tmp_path, tiny_ckpt):
+    """rollout.stop_token_ids: what ends a response (eval.py and train.py both use it)."""
     from transformers import AutoTokenizer
+    from rollout import stop_token_ids
     chat = _chat_tokenizer()
-    ids = ev.stop_token_ids(chat)
+    ids = stop_token_ids(chat)
     assert chat.convert_tokens_to_ids("<|im_end|>") in ids
     plain = AutoTokenizer.from_pretrained(tiny_ckpt("llama"))  # no chat template
-    assert ev.stop_token_ids(plain) == [EOS_ID]
+    assert stop_token_ids(plain) == [EOS_ID]
     # a checkpoint's generation_config.json adds its eos ids (Llama 3 / Qwen list two)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS_ID, 7]}))
-    assert ev.stop_token_ids(plain, model_dir=str(tmp_path)) == [EOS_ID, 7]
+    assert stop_token_ids(plain, model_dir=str(tmp_path)) == [EOS_ID, 7]
 
 
 def test_evaluate_in_process(tiny_ckpt):

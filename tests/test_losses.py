@@ -1,4 +1,4 @@
-"""Tests for losses.py: DESIGN.md's vectors, exactness under micro-batching and 2-rank gloo, GKL
+"""Tests for losses.py: hand-computed vectors, exactness under micro-batching and 2-rank gloo, GKL
 against a direct pairwise implementation and in bounded memory, non-finite inputs."""
 
 import ast
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 # ---------------------------------------------------------------------------------------------
-# DESIGN.md vectors
+# Hand-computed vectors
 # ---------------------------------------------------------------------------------------------
 
 def test_clip_higher_vector():

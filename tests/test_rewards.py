@@ -18,16 +18,16 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import rewards  # noqa: E402
 from rewards import (  # noqa: E402
     extract_answer, format_reward, is_correct, math_reward, normalize_answer, overlong_penalty,
-    perplexity_penalty,
+    perplexity_penalty, xml_terms,
 )
 
 # ---------------------------------------------------------------------------------------------
-# DESIGN.md vectors
+# Hand-computed vectors
 
 
 @pytest.mark.parametrize("length, expected", [(15, 0.0), (16, -0.2), (18, -0.6), (20, -1.0), (21, -1.0)])
 def test_overlong_penalty_design_vector(length, expected):
-    # DESIGN.md: L_max 20, L_cache 5: L = 16, 18, 20 -> -0.2, -0.6, -1 (15 -> 0, 21 -> -1).
+    # L_max 20, L_cache 5: L = 16, 18, 20 -> -0.2, -0.6, -1 (15 -> 0, 21 -> -1).
     assert overlong_penalty(length, 20, 5) == pytest.approx(expected, abs=1e-12)
 
 
@@ -311,19 +311,19 @@ def test_format_think(text, strict, soft):
 
 def test_format_unknown_style():
     with pytest.raises(ValueError, match="format_style"):
-        format_reward("Answer: 5", "xml")
+        format_reward("Answer: 5", "yaml")
 
 
 # ---------------------------------------------------------------------------------------------
 # math_reward
 
-KEYS = {"correct", "accuracy", "format", "format_ok", "overlong", "ppl"}
+KEYS = {"correct", "accuracy", "format", "format_ok", "integer", "xml_count", "overlong", "ppl"}
 
 
 def test_math_reward_plain():
     r, c = math_reward("Answer: 5", "5")
     assert r == 1.0 and c == {"correct": 1.0, "accuracy": 1.0, "format": 0.0, "format_ok": 0.0,
-                              "overlong": 0.0, "ppl": 0.0}
+                              "integer": 0.0, "xml_count": 0.0, "overlong": 0.0, "ppl": 0.0}
     r, c = math_reward("Answer: 6", "5")
     assert r == -1.0 and c["correct"] == -1.0 and c["accuracy"] == 0.0  # DAPO eq. 7
     r, c = math_reward("Answer: 6", "5", correct=1.0, wrong=0.0)
@@ -358,7 +358,7 @@ def test_math_reward_terms_off_are_zero():
     (dict(ppl_threshold=2.0, ppl_window=1.0), "mean_nll"),
     (dict(mean_nll=2.0, ppl_threshold=2.0), "ppl_window"),
     (dict(mean_nll=2.0, ppl_threshold=2.0, ppl_window=0.0), "window"),
-    (dict(format_style="xml"), "format_style"),
+    (dict(format_style="yaml"), "format_style"),
     (dict(format_weight=float("nan")), "format_weight"),
 ])
 def test_math_reward_validation(kwargs, name):
@@ -508,3 +508,29 @@ def test_fuzz_hostile_inputs():
                 assert math.isfinite(reward) and set(comps) == KEYS
     print(f"\nfuzz: slowest call {worst[0] * 1e3:.2f} ms ({worst[1]} on {worst[2]})")
     assert worst[0] < CALL_BUDGET_S, f"slowest call {worst[0] * 1e3:.2f} ms: {worst[1]} on {worst[2]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The XML recipe (GRPO on GSM8K with <reasoning>/<answer>)
+
+XML_GOOD = "<reasoning>\n3 + 4 = 7\n</reasoning>\n<answer>\n7\n</answer>\n"
+
+
+def test_answer_tag_is_extracted():
+    assert extract_answer(XML_GOOD) == "7"
+    assert extract_answer("<answer>1</answer> then <answer> \\boxed{12} </answer> 99") == "12"
+    assert extract_answer("<answer>5") == "5"               # unclosed: the last number rule
+    assert extract_answer("Answer: 3\n<answer>4</answer>") == "3"  # "Answer:" keeps priority
+
+
+def test_xml_recipe_terms():
+    r, c = math_reward(XML_GOOD, "7", format_style="xml", format_weight=0.5, correct=2.0, wrong=0.0)
+    assert c["format_ok"] == 1.0 and c["format"] == 0.5 and c["integer"] == 0.5
+    assert c["xml_count"] == 0.5 and r == pytest.approx(2.0 + 0.5 + 0.5 + 0.5)
+    # wrong, badly formatted, a non-integer answer and 20 characters of chatter after the answer
+    sloppy = "<reasoning>x</reasoning><answer>7.5</answer>\n</answer>" + "z" * 20
+    r, c = math_reward(sloppy, "7", format_style="xml", format_weight=0.5, correct=2.0, wrong=0.0)
+    assert c["correct"] == 0.0 and c["format_ok"] == 0.0 and c["integer"] == 0.0
+    assert c["xml_count"] == pytest.approx(0.125 - 0.020)  # only "\n</answer>" once, minus chatter
+    assert format_reward(XML_GOOD, "xml") == 1.0 and format_reward(XML_GOOD, "think") == 0.0
+    assert xml_terms(None) == {"integer": 0.0, "xml_count": 0.0}

@@ -1,7 +1,9 @@
-"""train.py end to end on a tiny random model: smoke run, exact resume after SIGKILL, DDP (gloo)
-equal to one process, bad data rejected before training, non-finite updates skipped, --help."""
+"""train.py on a tiny random model: smoke run, every DAPO component changing the run, exact resume
+after SIGKILL, DDP (gloo) equal to one process, bad data rejected before training, non-finite
+updates skipped, and the pieces of a step (steps 3-5) on a Run built in-process."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -67,6 +69,18 @@ BASE = ["--prompts-per-step", "4", "--samples", "4", "--max-new-tokens", "3", "-
         "--overlong-cache", "1", "--time-limit", "0"]
 
 
+def flags(**changes):
+    """BASE with some flags changed or added: flags(time_limit="0.05", prompts_per_step="8")."""
+    out = list(BASE)
+    for key, value in changes.items():
+        flag = "--" + key.replace("_", "-")
+        if flag in out:
+            out[out.index(flag) + 1] = value
+        else:
+            out += [flag, value]
+    return out
+
+
 def run_train(args, env_extra=None, check=True, launcher=None, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
     cmd = (launcher or [sys.executable]) + [str(ROOT / "train.py")] + args
@@ -99,18 +113,45 @@ def weights(run_dir):
     return load_file(os.path.join(run_dir, "final", "model.safetensors"))
 
 
+def in_process_run(tmp_path, tiny, *extra):
+    """A train.Run built in this process (no torchrun): for the pieces of a step."""
+    import config
+    import train
+    model_dir, data_file = tiny
+    args, _ = config.parse_config(["--model", model_dir, "--data", data_file, "--out",
+                                   str(tmp_path / "run"), "--mini-batches", "1"] + BASE + list(extra))
+    return train.setup(args)
+
+
+def rollouts(**fields):
+    """A train.Rollouts of two prompts x two completions, with these fields changed."""
+    import train
+    batch = dict(records=[{"id": "a", "answer": "1"}, {"id": "b", "answer": "2"}],
+                 group_sizes=[2, 2], prompts=[[2, 4, 5], [2, 4, 5], [2, 6], [2, 6]],
+                 tokens=[[7, 8], [9], [10, 11, 3], [12]],
+                 sampler_logprobs=[[-1.0, -2.0], [-0.5], [-1.5, -0.1, -0.2], [-3.0]],
+                 truncated=[False] * 4, rewards=[1.0, -1.0, -1.0, 1.0],
+                 correct=[True, False, False, True], reward_parts=[{}] * 4, stale=[False] * 4)
+    return train.Rollouts(**{**batch, **fields})
+
+
 def test_smoke_run_writes_everything(tiny, tmp_path):
     model_dir, data_file = tiny
     out = tmp_path / "run"
-    run_train(["--model", model_dir, "--data", data_file, "--steps", "3", "--out", str(out)] + BASE)
+    proc = run_train(["--model", model_dir, "--data", data_file, "--steps", "3", "--out", str(out)]
+                     + flags(mini_batches="2"))
     assert {"config.json", "metrics.jsonl", "checkpoint.pt", "final"} <= set(os.listdir(out))
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in ("reward", "accuracy", "groups_kept", "clip_frac_high", "entropy", "grad_norm",
-                "sampler_trainer_mismatch", "response_length"):
+                "sampler_trainer_mismatch", "response_length", "updates", "ratio_max"):
         assert key in rows[0]
-    # The sampler's log-probs are the trainer's (same weights, same temperature): tiny mismatch.
+    # Two updates per step, counted apart from the steps.
+    assert [r["updates"] for r in rows] == [2, 4, 6]
+    # The sampler's log-probs are the trainer's (same fp32 weights, same temperature).
     assert all(r["sampler_trainer_mismatch"] < 1e-4 for r in rows)
+    # A short summary opens the run, not the whole config (that is in config.json).
+    assert "each step" in proc.stdout and max(len(line) for line in proc.stdout.splitlines()) < 200
     # The final model loads in transformers and differs from the start (it trained).
     from transformers import AutoModelForCausalLM
     final = AutoModelForCausalLM.from_pretrained(out / "final")
@@ -124,25 +165,139 @@ def test_smoke_run_writes_everything(tiny, tmp_path):
 
 
 def test_every_preset_parses_and_flags_override():
+    import config
     import dapo
-    import train
     for name in dapo.PRESETS:
-        args, _ = train.parse_config(["--preset", name, "--model", "x"])
+        args, _ = config.parse_config(["--preset", name, "--model", "x"])
         for key, value in dapo.PRESETS[name].items():
             assert getattr(args, key) == value, (name, key)
-    args, explicit = train.parse_config(["--preset", "grpo", "--model", "x", "--kl-coef", "0.5"])
+    args, explicit = config.parse_config(["--preset", "grpo", "--model", "x", "--kl-coef", "0.5"])
     assert args.kl == "k3" and args.kl_coef == 0.5 and explicit == {"preset", "model", "kl_coef"}
-    default, _ = train.parse_config([])
-    assert default.lr == train.CPU_DEFAULTS["lr"] and default.dynamic_sampling
+    default, _ = config.parse_config([])
+    assert default.lr == config.CPU_DEFAULTS["lr"] and default.dynamic_sampling
+    assert default.mini_batches > 1  # the default run's clip-higher acts
 
 
-def test_help_documents_every_flag():
-    import train
-    for action in train.build_parser()._actions:
-        assert action.help, action.option_strings
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True,
-                         text=True, cwd=ROOT)
-    assert out.returncode == 0 and "--dynamic-sampling" in out.stdout
+def test_abbreviated_flags_are_refused_not_overridden(capsys):
+    """`--temperat 0.5` used to parse as --temperature, and the preset then overrode it."""
+    import config
+    with pytest.raises(SystemExit) as error:
+        config.parse_config(["--temperat", "0.5"])
+    assert error.value.code == 2 and "--temperat" in capsys.readouterr().err
+    args, _ = config.parse_config(["--temperature=0.5"])
+    assert args.temperature == 0.5
+
+
+def test_dapo_ppl_replaces_the_overlong_punishment():
+    import config
+    args, _ = config.parse_config(["--preset", "dapo-ppl", "--model", "x"])
+    assert args.ppl_penalty == "replace" and not args.overlong_penalty
+    args, _ = config.parse_config(["--preset", "dapo-ppl", "--model", "x", "--ppl-penalty", "beside"])
+    assert args.ppl_penalty == "beside" and args.overlong_penalty
+
+
+def test_overlong_window_scales_with_the_budget():
+    """DAPO's 4,096 of 20,480 is a fifth; a fraction keeps it a fifth at any budget (it used to
+    jump from 20% to 100% of the budget at 4,097 tokens)."""
+    import argparse
+    from config import overlong_cache_tokens
+    def cache(value, budget):
+        return overlong_cache_tokens(argparse.Namespace(overlong_cache=value, max_new_tokens=budget))
+    assert cache(0.2, 20480) == 4096 and cache(0.2, 4097) == 819 and cache(0.2, 64) == 13
+    assert cache(16, 64) == 16 and cache(0.001, 64) == 1
+
+
+def test_learning_rate_counts_training_steps():
+    """Warm-up and cosine count training steps: all mu updates of a step share one rate, and at
+    mu > 1 the schedule does not reach its floor early."""
+    import argparse
+    from train import lr_at
+    args = argparse.Namespace(lr=1.0, warmup_steps=2, lr_schedule="cosine", steps=12)
+    rates = [lr_at(step, args) for step in range(12)]
+    assert rates[:2] == [0.5, 1.0] and rates[2] == pytest.approx(1.0)
+    assert rates[7] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert rates[11] > 0.1 and lr_at(12, args) == pytest.approx(0.1)
+
+
+def test_schedule_and_steps_in_a_run(tiny, tmp_path):
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    run_train(["--model", model_dir, "--data", data_file, "--steps", "4", "--out", str(out),
+               "--lr-schedule", "cosine"] + flags(mini_batches="4", warmup_steps="2", lr="1e-3"))
+    rows = metrics(out)
+    expected = [1e-3 * f for f in (0.5, 1.0, 1.0, 0.55)]  # cosine over steps 2..4
+    assert [r["lr"] for r in rows] == pytest.approx(expected)
+    assert [r["updates"] for r in rows] == [4, 8, 12, 16]
+
+
+@pytest.mark.slow
+def test_each_ladder_rung_changes_the_run(tiny, tmp_path):
+    """DAPO Table 1 on a tiny model, 2 steps a rung: every rung's weights differ from the rung
+    before it (rung 2, clip-higher, was bit-equal to rung 1 at one update per step), and with
+    mu > 1 the clip acts."""
+    import dapo
+    model_dir, _ = tiny
+    # One answer for every prompt (what one sample learns moves the others' ratios), room to stop
+    # before the budget (else overlong filtering leaves almost no loss token), and more samples
+    # than updates (with one sample per mini-batch every aggregation is the same).
+    data_file = learnable_data(tmp_path / "learnable.jsonl")
+    previous, clipped, ratio_max = None, 0.0, 1.0
+    for name, _ in dapo.LADDER:
+        out = tmp_path / name
+        run_train(["--preset", name, "--model", model_dir, "--data", data_file, "--steps", "2",
+                   "--max-refills", "1", "--template", "none", "--out", str(out)]
+                  + flags(lr="1e-2", max_new_tokens="24", prompts_per_step="8"))  # 2 a mini-batch
+        assert json.loads((out / "config.json").read_text())["mini_batches"] == 16  # the paper's
+        if name == "ladder-0-naive-grpo":
+            assert [r["updates"] for r in metrics(out)] == [16, 32]
+        clipped = max([clipped] + [r["clip_frac_high"] for r in metrics(out)])
+        ratio_max = max([ratio_max] + [r["ratio_max"] or 0.0 for r in metrics(out)])
+        now = weights(out)
+        if previous is not None:
+            assert any(not torch.equal(now[k], previous[k]) for k in now), name
+        previous = now
+    assert clipped > 0 and ratio_max > 1.28
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [
+    ["--mini-batches", "2"],
+    # State beyond weights and data: carried surplus groups (one step stale), the RNG of the
+    # harder variants, per-prompt accuracies.
+    ["--adversarial", "--keep-surplus", "--adaptive-budget", "--lr", "3e-2", "--max-refills", "2"],
+    # The GPU default: rollouts from a bf16 copy, which a resume must refresh from the checkpoint.
+    ["--dtype", "bfloat16", "--tis-cap", "2"],
+], ids=["dapo", "adversarial-surplus-adaptive", "bf16"])
+def test_resume_after_sigkill_is_bit_identical(tiny, tmp_path, variant):
+    model_dir, data_file = tiny
+    if "--adversarial" in variant:
+        data_file = learnable_data(tmp_path / "learnable.jsonl")
+    common = ["--model", model_dir, "--data", data_file, "--steps", "5", "--dynamic-sampling",
+              "--max-refills", "1", "--checkpoint-every", "1"] + BASE + variant
+    straight = tmp_path / "straight"
+    run_train(common + ["--out", str(straight)])
+    if "--keep-surplus" in variant:  # the run must carry groups across the steps where it may be killed
+        carried = [r["groups_carried"] for r in metrics(straight)]
+        assert carried[1] + carried[2] > 0, carried
+
+    killed = tmp_path / "killed"
+    kill_then_resume(common, killed)
+    assert_same_run(straight, killed)
+
+
+def test_checkpoints_by_time_keep_the_one_before(tiny, tmp_path):
+    """By default a checkpoint every few minutes and one at the end (not one per step: the
+    default run wrote 73 GB); the one before the newest is kept as a fallback."""
+    model_dir, data_file = tiny
+    by_time = tmp_path / "by-time"
+    run_train(["--model", model_dir, "--data", data_file, "--steps", "3", "--out", str(by_time)] + BASE)
+    assert (by_time / "checkpoint.pt").exists() and not (by_time / "checkpoint-previous.pt").exists()
+    every = tmp_path / "every"
+    run_train(["--model", model_dir, "--data", data_file, "--steps", "3", "--out", str(every),
+               "--checkpoint-every", "1"] + BASE)
+    steps = [torch.load(every / name, weights_only=True)["progress"]["step"]
+             for name in ("checkpoint-previous.pt", "checkpoint.pt")]
+    assert steps == [2, 3]
 
 
 def learnable_data(path, n=16):
@@ -154,32 +309,6 @@ def learnable_data(path, n=16):
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     return str(path)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", [
-    [],
-    # State beyond weights and data: carried surplus groups (one step stale), the RNG of the
-    # harder variants, per-prompt accuracies.
-    ["--adversarial", "--keep-surplus", "--adaptive-budget", "--lr", "3e-2", "--max-refills", "2"],
-    # The GPU default: rollouts from a bf16 copy, which a resume must refresh from the checkpoint.
-    ["--dtype", "bfloat16"],
-], ids=["dapo", "adversarial-surplus-adaptive", "bf16"])
-def test_resume_after_sigkill_is_bit_identical(tiny, tmp_path, variant):
-    model_dir, data_file = tiny
-    if "--adversarial" in variant:
-        data_file = learnable_data(tmp_path / "learnable.jsonl")
-    common = ["--model", model_dir, "--data", data_file, "--steps", "5", "--dynamic-sampling",
-              "--max-refills", "1"] + BASE + variant
-    straight = tmp_path / "straight"
-    run_train(common + ["--out", str(straight)])
-    if "--keep-surplus" in variant:  # the run must carry groups across the steps where it may be killed
-        carried = [r["groups_carried"] for r in metrics(straight)]
-        assert carried[1] + carried[2] > 0, carried
-
-    killed = tmp_path / "killed"
-    kill_then_resume(common, killed)
-    assert_same_run(straight, killed)
 
 
 def kill_then_resume(common, killed, launcher=None):
@@ -220,43 +349,72 @@ def torchrun(nproc=2):
 def test_ddp_resume_is_exact_per_rank(tiny, tmp_path):
     """Two gloo ranks: 3 steps, then --resume to 8, equals 8 straight. Refills make the ranks
     draw different numbers of batches, so each rank must get back its own data position (and
-    RNGs, prompt accuracies, carried groups). (SIGKILL itself: the single-process test above.)"""
+    RNGs, carried groups); the prompt accuracies are one table shared by the ranks."""
     model_dir, data_file = tiny
     common = ["--model", model_dir, "--data", data_file, "--dynamic-sampling", "--max-refills",
-              "2", "--keep-surplus", "--prompts-per-step", "4"] + BASE
+              "2", "--keep-surplus", "--adaptive-budget", "--prompts-per-step", "4"] + BASE
     straight = tmp_path / "straight"
     run_train(common + ["--steps", "8", "--out", str(straight)], launcher=torchrun())
     resumed = tmp_path / "resumed"
     run_train(common + ["--steps", "3", "--out", str(resumed)], launcher=torchrun())
-    positions = [s["data"]["step"] for s in torch.load(resumed / "checkpoint.pt")["per_rank"]]
+    state = torch.load(resumed / "checkpoint.pt", weights_only=True)
+    positions = [s["data"]["step"] for s in state["per_rank"]]
     assert positions[0] != positions[1], positions  # the ranks' data positions differ at step 3
     run_train(["--resume", str(resumed), "--steps", "8"], launcher=torchrun())
     assert_same_run(straight, resumed)
 
 
+UPDATE_METRICS = ("entropy", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean",
+                  "grad_norm", "sampler_trainer_mismatch", "reward", "accuracy", "response_length")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [[], ["--kl", "gkl", "--kl-coef", "1.0"]], ids=["dapo", "gkl"])
+@pytest.mark.parametrize("variant", [
+    ["--mini-batches", "2"],
+    ["--kl", "gkl", "--kl-coef", "1.0"],
+    ["--adv-estimator", "reinforce_baseline"],  # whitened over both ranks as over one process
+], ids=["dapo", "gkl", "reinforce_baseline"])
 def test_ddp_two_ranks_equal_one_process(tiny, tmp_path, variant):
-    """One update on the same global batch: torchrun with 2 gloo ranks vs 1 process."""
+    """The same global batch in one process and on two gloo ranks: the same weights after the
+    updates and the same metrics (summed over ranks, not rank 0's share)."""
     model_dir, data_file = tiny
     common = ["--model", model_dir, "--data", data_file, "--steps", "1", "--dynamic-sampling",
-              "--max-refills", "0", "--prompts-per-step", "8", "--seed", "3",
-              ] + BASE[2:] + variant
+              "--max-refills", "0", "--seed", "3"] + flags(prompts_per_step="8") + variant
     one = tmp_path / "one"
     run_train(common + ["--out", str(one)])
     two = tmp_path / "two"
-    run_train(common + ["--out", str(two)],
-              launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "--master_port", str(29500 + os.getpid() % 1000)])
+    run_train(common + ["--out", str(two)], launcher=torchrun())
     m1, m2 = metrics(one)[0], metrics(two)[0]
     assert m1["groups_kept"] == m2["groups_kept"] > 0
     kept = m2["groups_kept_per_rank"]
     assert kept[0] != kept[1], f"want uneven kept groups per rank to test padding, got {kept}"
+    for key in UPDATE_METRICS:
+        assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
     a, b = weights(one), weights(two)
     start = weights_from(model_dir)
     assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-4  # the update is not trivial
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), (k, (a[k] - b[k]).abs().max())
+
+
+@pytest.mark.slow
+def test_ddp_prompt_accuracies_are_shared(tiny, tmp_path):
+    """The per-prompt accuracy table (what the adaptive budget reads) holds every rank's prompts:
+    the same table as one process builds from the same samples (each rank used to keep its own).
+    (Without --adaptive-budget, whose split of samples over a rank's prompts depends on the rank.)"""
+    model_dir, data_file = tiny
+    # No refills (they differ by rank) and one update a step (Adam makes 1e-7 differences in the
+    # gradient sum visible after many updates, and the samples drift apart).
+    common = ["--model", model_dir, "--data", data_file, "--steps", "2", "--seed", "5",
+              "--no-dynamic-sampling"] + flags(prompts_per_step="8", mini_batches="1")
+    tables = []
+    for name, launcher in (("one", None), ("two", torchrun())):
+        run_train(common + ["--out", str(tmp_path / name)], launcher=launcher)
+        tables.append(torch.load(tmp_path / name / "checkpoint.pt",
+                                 weights_only=True)["progress"]["prompt_accuracy"])
+    assert len(tables[0]) > 8 and tables[0].keys() == tables[1].keys()
+    for key in tables[0]:
+        assert tables[0][key] == pytest.approx(tables[1][key]), key
 
 
 @pytest.mark.slow
@@ -267,9 +425,8 @@ def test_ddp_ranks_stop_together_at_the_time_limit(tiny, tmp_path):
     out = tmp_path / "run"
     proc = run_train(["--model", model_dir, "--data", data_file, "--eval-data", data_file,
                       "--eval-limit", "16", "--eval-every", "1", "--steps", "100000",
-                      "--out", str(out)] + BASE[:-2] + ["--time-limit", "0.05"],
-                     launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                               "--master_port", str(29600 + os.getpid() % 1000)], timeout=240)
+                      "--out", str(out)] + flags(time_limit="0.05"),
+                     launcher=torchrun(), timeout=240)
     assert "time limit of 0.05 minutes reached" in proc.stdout
     assert (out / "final" / "model.safetensors").exists() and len(metrics(out)) >= 2
 
@@ -296,85 +453,195 @@ def test_bad_data_fails_before_training(tiny, tmp_path, row, field):
     assert not (out / "metrics.jsonl").exists()
 
 
-def test_nonfinite_update_is_skipped(tiny):
-    import argparse
+def test_advantages_and_old_logprobs(tiny, tmp_path):
+    """Steps 3 and 4 return new batches (the input is left as it was). Carried groups keep their
+    sampler's log-probs as the old ones: they were sampled by the last step's policy."""
     import train
-    from model import load_model
-    model_dir, _ = tiny
-    model, _ = load_model(model_dir)
-    model.train()
-    args = argparse.Namespace(device=torch.device("cpu"), mini_batches=1, micro_batch_size=4,
-                              overlong_filter=False, max_new_tokens=3, eps_low=0.2, eps_high=0.28,
-                              clip_c=None, loss_agg="token-mean", entropy_coef=0.0, kl="none",
-                              temperature=1.0, grad_clip=1.0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    samples = {"prompt": [[2, 4, 5], [2, 6]], "tokens": [[7, 8], [9]],
-               "advantage": [float("nan"), 1.0], "group_id": [0, 0], "truncated": [False, False],
-               "sampler_logp": [[0.0, 0.0], [0.0]], "old_logp": [None, None]}
-    out = train.pg_update(model, None, opt, sched, samples, args, 1, lambda: torch.autocast("cpu", enabled=False))
-    assert out["skipped_updates"] == 1
-    for k, v in model.state_dict().items():
+    run = in_process_run(tmp_path, tiny, "--mini-batches", "2")
+    batch = rollouts(stale=[True, True, False, False])
+    scored = train.with_old_logprobs(run, train.with_advantages(run, batch))
+    assert batch.advantages is None and batch.old_logprobs is None
+    assert scored.advantages == pytest.approx([0.7071, -0.7071, -0.7071, 0.7071], abs=1e-4)
+    assert scored.old_logprobs[:2] == batch.sampler_logprobs[:2]
+    assert [len(lp) for lp in scored.old_logprobs[2:]] == [3, 1]
+    assert scored.old_logprobs[2] != batch.sampler_logprobs[2]  # the trainer's own, recomputed
+    # One update per step: nothing to recompute, the update's own log-probs are the old ones.
+    run.args.mini_batches = 1
+    on_policy = train.with_old_logprobs(run, scored)
+    assert on_policy.old_logprobs[2:] == [None, None] and on_policy.old_logprobs[0] == [-1.0, -2.0]
+
+
+def scripted_sampler(script):
+    """A stand-in for train.sample_and_reward: each prompt's G correctness flags come from
+    script(record, round's call number); everything else is filler."""
+    import train
+    calls = []
+
+    def sample_and_reward(run, records, num_samples, seeds):
+        calls.append([r["id"] for r in records])
+        correct = [c for r in records for c in script(r, len(calls) - 1)]
+        n = len(correct)
+        return train.Rollouts(records=list(records), group_sizes=list(num_samples),
+                              prompts=[[2]] * n, tokens=[[4]] * n, sampler_logprobs=[[-1.0]] * n,
+                              truncated=[False] * n, rewards=[1.0 if c else -1.0 for c in correct],
+                              correct=correct, reward_parts=[{}] * n, stale=[False] * n)
+    return sample_and_reward, calls
+
+
+def test_dynamic_sampling_never_hangs_on_signal_less_groups(tiny, tmp_path, monkeypatch):
+    import train
+    run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "4")
+    fake, calls = scripted_sampler(lambda record, call: [call % 2 == 0] * 4)  # all right / all wrong
+    monkeypatch.setattr(train, "sample_and_reward", fake)
+    kept, sampled, surplus, asked = train.collect_rollouts(run, train.Progress())
+    assert len(calls) == 5 and len(sampled) == 5 and kept.num_groups == 0 and surplus is None
+    assert asked == 0 and kept.tokens == []
+
+
+def test_dynamic_sampling_fills_exactly_and_carries_surplus(tiny, tmp_path, monkeypatch):
+    """Informative groups are kept until the batch is full; with --keep-surplus the rest go to
+    the next step, marked stale, and are used first there; without it they are dropped."""
+    import train
+    run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "5", "--keep-surplus")
+    # Round 0: groups 0 and 1 informative; round 1: all four.
+    script = lambda record, call: [True, False] * 2 if call or int(record["id"][1:]) % 2 else [True] * 4
+    fake, calls = scripted_sampler(script)
+    monkeypatch.setattr(train, "sample_and_reward", fake)
+    kept, sampled, surplus, _ = train.collect_rollouts(run, train.Progress())
+    informative_first = sum(int(i[1:]) % 2 for i in calls[0])
+    assert len(calls) == 2 and kept.num_groups == 4 and not any(kept.stale)
+    assert [r["id"] for r in kept.records] == [i for i in calls[0] if int(i[1:]) % 2] + \
+        calls[1][:4 - informative_first]
+    assert surplus.num_groups == informative_first and all(surplus.stale)
+    # Carried groups come first, still stale; more carried in than wanted: no sampling at all.
+    carry = train.replace(train.Rollouts.concat([kept, kept]), stale=[True] * 32)
+    calls.clear()
+    kept, sampled, surplus, _ = train.collect_rollouts(run, train.Progress(carry=carry))
+    assert calls == [] and kept.num_groups == 4 and all(kept.stale) and surplus is None
+    # Without --keep-surplus there is nothing to carry.
+    run.args.keep_surplus = False
+    assert train.collect_rollouts(run, train.Progress())[2] is None
+
+
+def test_adversarial_variants_are_asked_in_the_next_round(tiny, tmp_path, monkeypatch):
+    import train
+    run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "1", "--adversarial")
+    # Round 0: every prompt all right; its harder variants (new ids) come back informative.
+    fake, calls = scripted_sampler(lambda record, call: [True] * 4 if call == 0 else [True, False] * 2)
+    monkeypatch.setattr(train, "sample_and_reward", fake)
+    kept, sampled, _, asked = train.collect_rollouts(run, train.Progress())
+    assert asked == 4 and len(calls) == 2 and kept.num_groups == 4
+    assert all(r.get("variant") == "harder" for r in kept.records)
+    assert [r["id"] for r in kept.records] == calls[1]
+
+
+def test_nonfinite_update_is_skipped(tiny, tmp_path):
+    import train
+    run = in_process_run(tmp_path, tiny)
+    before = {k: v.clone() for k, v in run.policy.state_dict().items()}
+    batch = rollouts(advantages=[float("nan"), 1.0, 1.0, -1.0], old_logprobs=[None] * 4)
+    sums, _ = train.update(run, batch)
+    assert sums["skipped_updates"] == 1
+    for k, v in run.policy.state_dict().items():
         assert torch.equal(v, before[k]), k
-    assert not opt.state  # the optimizer never stepped
+    assert not run.optimizer.state  # the optimizer never stepped
     # No loss token anywhere (every completion filtered): not an error, just no update.
-    args.overlong_filter, samples["truncated"] = True, [True, True]
-    out = train.pg_update(model, None, opt, sched, samples, args, 1, lambda: torch.autocast("cpu", enabled=False))
-    assert out["skipped_updates"] == 0 and out["empty_updates"] == 1 and not opt.state
-    args.overlong_filter, samples["truncated"] = False, [False, False]
-    samples["advantage"] = [1.0, -1.0]
-    out = train.pg_update(model, None, opt, sched, samples, args, 1, lambda: torch.autocast("cpu", enabled=False))
-    assert out["skipped_updates"] == 0
-    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    run.args.overlong_filter = True
+    sums, _ = train.update(run, replace_field(batch, truncated=[True] * 4))
+    assert sums == {"empty_updates": 1} and not run.optimizer.state
+    run.args.overlong_filter = False
+    sums, _ = train.update(run, replace_field(batch, advantages=[1.0, -1.0, -1.0, 1.0]))
+    assert sums["skipped_updates"] == 0 and sums["updates"] == 1
+    assert any(not torch.equal(v, before[k]) for k, v in run.policy.state_dict().items())
+
+
+def replace_field(batch, **changes):
+    import dataclasses
+    return dataclasses.replace(batch, **changes)
+
+
+def test_truncated_importance_sampling_reweights_tokens(tiny, tmp_path):
+    """--tis-cap: each token's loss times min(pi_old / pi_sampler, C); with the sampler's
+    log-probs far below the trainer's the weights hit the cap, and the update changes."""
+    import train
+    batch = rollouts(advantages=[1.0, -1.0, -1.0, 1.0], old_logprobs=[None] * 4,
+                     sampler_logprobs=[[-9.0, -9.0], [-9.0], [-9.0, -9.0, -9.0], [-9.0]])
+    results = []
+    for cap in ("0", "2"):
+        run = in_process_run(tmp_path / cap, tiny, "--tis-cap", cap)
+        sums, _ = train.update(run, batch)
+        results.append((sums, {k: v.clone() for k, v in run.policy.state_dict().items()}))
+    (plain, plain_weights), (tis, tis_weights) = results
+    assert "tis_weight" not in plain and tis["tis_weight"] == pytest.approx(2.0 * tis["loss_tokens"])
+    assert any(not torch.equal(plain_weights[k], tis_weights[k]) for k in plain_weights)
+
+
+def test_reward_flags_reach_the_reward(tiny, tmp_path):
+    """--format-reward (including the XML recipe), --overlong-penalty and --ppl-penalty all
+    reach rewards.math_reward (the format terms used to be always 0)."""
+    import config
+    import rewards
+    import train
+    from rollout import Completion
+    args, _ = config.parse_config(["--model", "x", "--format-reward", "xml", "--correct-reward", "2",
+                                   "--wrong-reward", "0", "--ppl-penalty", "beside",
+                                   "--overlong-penalty", "--max-new-tokens", "20"])
+    text = "<reasoning>\nthree\n</reasoning>\n<answer>\n3\n</answer>"
+    completion = Completion(0, list(range(18)), [-0.1] * 18, "stop")
+    total, parts = rewards.math_reward(text, "3", **train.reward_options(args, completion))
+    assert parts["correct"] == 2.0 and parts["format"] == 0.5 and parts["integer"] == 0.5
+    assert parts["xml_count"] == 0.5 and parts["overlong"] == pytest.approx(-0.5)  # 18 of 20, cache 4
+    assert total == pytest.approx(2.0 + 0.5 + 0.5 + 0.5 - 0.5)
+    model_dir, data_file = tiny
+    out = tmp_path / "xml"
+    run_train(["--model", model_dir, "--data", data_file, "--steps", "1", "--out", str(out),
+               "--format-reward", "xml", "--template", "xml"] + BASE)
+    assert "reward_xml_count" in metrics(out)[0]
 
 
 def test_bf16_path_runs(tiny, tmp_path):
     """--dtype bfloat16 (the GPU default): rollouts from a bf16 copy of the policy, updates under
-    autocast with fp32 master weights, GKL and old log-probs included. The sampler's bf16 log-probs
-    then differ a little from the trainer's, which shows the bf16 copy did the sampling."""
+    autocast with fp32 master weights, GKL, TIS and old log-probs included. The sampler's bf16
+    log-probs then differ a little from the trainer's, which shows the bf16 copy did the sampling."""
     model_dir, data_file = tiny
     out = tmp_path / "run"
     run_train(["--model", model_dir, "--data", data_file, "--steps", "2", "--out", str(out),
-               "--dtype", "bfloat16", "--kl", "gkl", "--kl-coef", "1.0", "--mini-batches", "2"]
-              + BASE)
+               "--dtype", "bfloat16", "--kl", "gkl", "--kl-coef", "1.0", "--mini-batches", "2",
+               "--tis-cap", "2"] + BASE)
     rows = metrics(out)
     assert len(rows) == 2 and all(r["skipped_updates"] == 0 for r in rows)
     assert all(0 < r["sampler_trainer_mismatch"] < 0.05 for r in rows)
+    assert all(0.5 < r["tis_weight"] <= 2 for r in rows)
     from safetensors.torch import load_file
     saved = load_file(out / "final" / "model.safetensors")
     assert all(t.dtype == torch.float32 for t in saved.values())  # fp32 master weights
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_chunked_gkl_term_equals_gkl_loss_on_whole_logits(tiny, agg):
+def test_chunked_gkl_term_equals_gkl_loss_on_whole_logits(tiny, tmp_path, agg):
     """train.kl_term makes GKL's logits a few positions at a time from the body's output it is
     handed (recomputed in backward); loss and gradient equal losses.gkl_loss on whole logits."""
-    import argparse
-    import copy
     import losses
     import train
-    from model import load_model
-    model_dir, _ = tiny
-    model, _ = load_model(model_dir)
-    ref = copy.deepcopy(model).requires_grad_(False)
+    run = in_process_run(tmp_path, tiny, "--kl", "gkl", "--kl-coef", "1.0", "--loss-agg", agg,
+                         "--gkl-beta", "2.0", "--gkl-gamma", "0.5", "--gkl-temperature", "1.5",
+                         "--gkl-weight-temperature", "2.0")
+    model, ref = run.policy, run.reference
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    args = argparse.Namespace(kl="gkl", loss_agg=agg, gkl_alpha=1.0, gkl_beta=2.0, gkl_gamma=0.5,
-                              gkl_temperature=1.5, gkl_weight_temperature=2.0, temperature=1.0)
-    ids, attn, mask, P = train.pack([[2, 4, 5], [2, 6]], [[7, 8, 9, 3, 10], [9, 11]], "cpu")
+    ids, attn, mask, start = train.pack([[2, 4, 5], [2, 6]], [[7, 8, 9, 3, 10], [9, 11]], "cpu")
     div = {"num_tokens": mask.sum(), "num_seqs": 2}
+    mb = {"ids": ids, "attn": attn, "start": start, "mask": mask, "divisors": div}
 
     hidden = model(ids, attn, return_hidden=True)
-    loss = train.kl_term(model, lambda fn: fn(ref), hidden, ids, attn, P, None, mask, div, None,
-                         args, positions=2)
+    loss, _ = train.kl_term(run, mb, hidden, None, positions=2)
     grads = torch.autograd.grad(loss, list(model.parameters()))
 
     C = mask.shape[1]
-    logits = model(ids, attn)[:, P - 1:P - 1 + C]
+    logits = model(ids, attn)[:, start - 1:start - 1 + C]
     with torch.no_grad():
-        ref_logits = ref(ids, attn)[:, P - 1:P - 1 + C]
+        ref_logits = ref(ids, attn)[:, start - 1:start - 1 + C]
     want, _ = losses.gkl_loss(logits, ref_logits, mask, alpha=1.0, beta=2.0, gamma=0.5,
                               temperature=1.5, weight_temperature=2.0, agg=agg, **div)
     want_grads = torch.autograd.grad(want, list(model.parameters()))
@@ -385,7 +652,7 @@ def test_chunked_gkl_term_equals_gkl_loss_on_whole_logits(tiny, agg):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "rloo", "reinforce_baseline", "dpo",
-                                    "dapo-gkl", "dapo-adversarial", "dapo-ppl",
+                                    "step-dpo", "dapo-gkl", "dapo-adversarial", "dapo-ppl",
                                     "dapo-adaptive-budget", "dapo-balanced",
                                     "ladder-1-overlong-filtering"])
 def test_every_variant_runs_end_to_end(tiny, tmp_path, preset):
@@ -397,6 +664,10 @@ def test_every_variant_runs_end_to_end(tiny, tmp_path, preset):
     rows = metrics(out)
     assert len(rows) == 2 and (out / "final" / "model.safetensors").exists()
     assert all(r["skipped_updates"] == 0 for r in rows)
+    if preset == "dapo-ppl":  # in place of the overlong punishment, not beside it
+        assert all(r["reward_overlong"] == 0 for r in rows) and any(r["reward_ppl"] for r in rows)
+    if preset.endswith("dpo"):
+        assert sum(r["pairs"] for r in rows) > 0
 
 
 def test_resume_before_the_first_checkpoint_starts_over(tiny, tmp_path):
@@ -409,8 +680,7 @@ def test_resume_before_the_first_checkpoint_starts_over(tiny, tmp_path):
 
     def evals():
         rows = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in r.items() if "seconds" not in k and k != "tokens_per_s"}
-                for r in rows]
+        return [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
 
     first = evals()
     for name in ("checkpoint.pt", "metrics.jsonl"):  # as if killed during step 1
@@ -425,3 +695,12 @@ def test_resume_before_the_first_checkpoint_starts_over(tiny, tmp_path):
 def test_resume_of_a_missing_run_is_a_clear_error(tmp_path):
     proc = run_train(["--resume", str(tmp_path / "nope")], check=False)
     assert proc.returncode != 0 and "--resume" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_no_module_imports_train_or_eval_and_none_cites_the_design_notes():
+    for path in ROOT.glob("*.py"):
+        text = path.read_text()
+        assert not any(line.startswith(("import train", "import eval", "from train ", "from eval "))
+                       for line in text.splitlines()), path.name
+    for path in [*ROOT.glob("*.py"), *ROOT.glob("tests/*.py"), ROOT / "README.md"]:
+        assert "DESIGN" + ".md" not in path.read_text(), path.name
