@@ -61,82 +61,7 @@ import runs
 from model import add_lora, cpu_has_bf16, load_model, lora_disabled, save_model, token_logprobs
 from rollout import generate, stop_token_ids
 
-# ----------------------------------------------------------------------------- schedule
-
-def lr_at(step, args):
-    """Learning rate of training step `step` (0-based), shared by its mu updates: linear warm-up
-    over --warmup-steps, then constant (DAPO) or cosine down to 10% at --steps."""
-    if step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
-        return args.lr
-    progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
-    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
-
-
-# ----------------------------------------------------------------------------- distributed
-
-def setup_distributed():
-    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; plain `python train.py` is one process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    # Rank 0 alone evaluates and writes checkpoints while the others wait in a collective: allow
-    # more than NCCL's default 10 minutes for that.
-    timeout = datetime.timedelta(hours=2)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", timeout=timeout)
-        return rank, world, torch.device("cuda", local)
-    dist.init_process_group("gloo", timeout=timeout)
-    return rank, world, torch.device("cpu")
-
-
-def all_reduce(tensor, op=dist.ReduceOp.SUM):
-    """`tensor` summed (or `op`) over ranks, in place; a no-op in one process. NCCL reduces CUDA
-    tensors only, so a CPU tensor goes through the GPU and back."""
-    if not dist.is_initialized():
-        return tensor
-    if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
-        on_gpu = tensor.to(torch.cuda.current_device())
-        dist.all_reduce(on_gpu, op=op)
-        return tensor.copy_(on_gpu)
-    dist.all_reduce(tensor, op=op)
-    return tensor
-
-
-def add(a, b):
-    """Two dicts of named sums added name by name."""
-    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in a.keys() | b.keys()}
-
-
-def top(a, b):
-    """Two dicts of named maxima, maxed name by name."""
-    return {k: max(a.get(k, -math.inf), b.get(k, -math.inf)) for k in a.keys() | b.keys()}
-
-
-def reduce_metrics(sums, maxima):
-    """Named sums added over ranks and named maxima maxed over ranks, in one call (every rank
-    passes the same names). -> one dict."""
-    out = {}
-    for values, op in ((sums, dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX)):
-        names = sorted(values)
-        reduced = all_reduce(torch.tensor([float(values[n]) for n in names], dtype=torch.float64), op)
-        out.update(zip(names, reduced.tolist()))
-    return out
-
-
-def gather(obj, world):
-    """[obj of rank 0, obj of rank 1, ...] on every rank (any picklable object)."""
-    if world == 1:
-        return [obj]
-    out = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
-# ----------------------------------------------------------------------------- the batch
+# ---- the batch a step carries, and what a run holds ---------------------------------------------
 
 @dataclass(frozen=True)
 class Rollouts:
@@ -161,15 +86,17 @@ class Rollouts:
         return len(self.group_sizes)
 
     def group_index(self):
+        """(N,) the group of each completion."""
         return [g for g, size in enumerate(self.group_sizes) for _ in range(size)]
+
+    def group_starts(self):
+        """(groups,) where each group's completions start."""
+        return [sum(self.group_sizes[:g]) for g in range(self.num_groups)]
 
     def select(self, groups):
         """The groups at these indices, in this order."""
-        starts = [0]
-        for size in self.group_sizes:
-            starts.append(starts[-1] + size)
-        groups = list(groups)
-        rows = [i for g in groups for i in range(starts[g], starts[g + 1])]
+        groups, starts = list(groups), self.group_starts()
+        rows = [i for g in groups for i in range(starts[g], starts[g] + self.group_sizes[g])]
         return Rollouts(**{f.name: None if getattr(self, f.name) is None else
                            [getattr(self, f.name)[i] for i in
                             (groups if f.name in ("records", "group_sizes") else rows)]
@@ -200,8 +127,6 @@ class Progress:
     carry: Rollouts = None         # this rank's surplus groups for the next step
 
 
-# ----------------------------------------------------------------------------- the run
-
 @dataclass
 class Run:
     """The long-lived objects of a run (a step's data flows through Rollouts, not here)."""
@@ -223,27 +148,43 @@ class Run:
     variant_rng: random.Random  # draws the adversarial variants
 
 
-def autocast(run):
-    return torch.autocast(run.args.device.type, dtype=torch.bfloat16) if run.bf16 \
-        else contextlib.nullcontext()
+# ---- one training step --------------------------------------------------------------------------
+
+def train_step(run, progress):
+    """One training step, numbered as in the module docstring. -> (progress after it, its row)"""
+    args = run.args
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr_at(progress.step, args)
+    start = time.perf_counter()
+    with torch.no_grad():
+        kept, sampled, surplus, asked = collect_rollouts(run, progress)  # 1-2
+    sampled_at = time.perf_counter()
+    batch = with_advantages(run, kept)                                   # 3
+    batch = with_old_logprobs(run, batch)                                # 4
+    scored_at = time.perf_counter()
+    run.policy.train()
+    update_sums, update_maxima = update(run, batch)                      # 5
+    refresh_sampler(run)
+    end = time.perf_counter()
+    seconds = {"rollout": sampled_at - start, "scoring": scored_at - sampled_at, "update": end - scored_at}
+    row = step_metrics(run, progress, sampled, kept, surplus, asked,     # 6
+                       update_sums, update_maxima, seconds)
+
+    ema = row["accuracy"] if progress.accuracy_ema is None else \
+        0.8 * progress.accuracy_ema + 0.2 * row["accuracy"]
+    if args.curriculum and isinstance(run.source, data.ArithmeticTask) and ema > args.curriculum:
+        run.source.harder()  # the task never runs out of headroom
+        ema = 0.5 * args.curriculum
+    row["accuracy_ema"] = ema
+    progress = replace(progress, step=progress.step + 1, updates=row["updates"],
+                       train_seconds=progress.train_seconds + end - start, accuracy_ema=ema,
+                       skipped_updates=row["skipped_updates_total"], carry=surplus,
+                       prompt_accuracy=shared_prompt_accuracy(run, progress, sampled))
+    row["train_seconds"] = progress.train_seconds
+    return progress, row
 
 
-def reference_forward(run, fn):
-    """fn(model) under the reference policy: the frozen copy, or the policy with LoRA off."""
-    if run.reference is not None:
-        return fn(run.reference)
-    with lora_disabled(run.policy):
-        return fn(run.policy)
-
-
-@torch.no_grad()
-def refresh_sampler(run):
-    if run.sampler is not run.policy:
-        for p_sampler, p in zip(run.sampler.parameters(), run.policy.parameters()):
-            p_sampler.copy_(p)
-
-
-# ----------------------------------------------------------------------------- 1-2: sample, reward, filter
+# ---- 1-2: sample, reward, filter ----------------------------------------------------------------
 
 def reward_options(args, completion):
     """rewards.math_reward's keyword arguments for one completion under this run's flags."""
@@ -339,7 +280,7 @@ def adversarial_variants(run, batch):
     return variants
 
 
-# ----------------------------------------------------------------------------- 3-4: advantages, old log-probs
+# ---- 3-4: advantages, old log-probs -------------------------------------------------------------
 
 def with_advantages(run, batch):
     """Step 3: group-relative advantages (eq. 9, or the --adv-estimator)."""
@@ -373,36 +314,35 @@ def with_old_logprobs(run, batch):
     return replace(batch, old_logprobs=old)
 
 
-# ----------------------------------------------------------------------------- 5: the updates
+# ---- 5: the updates -----------------------------------------------------------------------------
 
-def pack(prompts, completions, device):
-    """Prompts left-padded, completions right-padded, in one (B, P + C) batch.
-
-    -> input_ids (B, P+C), attention_mask (B, P+C), loss_mask (B, C), P
-    """
-    P = max(len(p) for p in prompts)
-    C = max(1, max(len(c) for c in completions))
-    ids = torch.zeros(len(prompts), P + C, dtype=torch.long)
-    attn = torch.zeros(len(prompts), P + C, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        ids[i, P - len(p):P] = torch.tensor(p)
-        ids[i, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
-        attn[i, P - len(p):P + len(c)] = 1
-    return ids.to(device), attn.to(device), attn[:, P:].to(device), P
-
-
-def pad_rows(rows, width, device):
-    out = torch.zeros(len(rows), width)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(r[:width])
-    return out.to(device)
+def update(run, batch):
+    """Step 5: --mini-batches optimizer updates, each on the next 1/mu of this rank's samples
+    (or DPO pairs). -> (named sums, named maxima) over the updates"""
+    args = run.args
+    units = dpo_pairs(run, batch) if args.algo == "dpo" else list(range(len(batch.tokens)))
+    size = math.ceil(len(units) / args.mini_batches)
+    sums, maxima = {}, {}
+    for m in range(args.mini_batches):
+        part = units[m * size:(m + 1) * size]
+        step_sums, step_maxima = dpo_update(run, batch, part) if args.algo == "dpo" \
+            else policy_gradient_update(run, batch, part)
+        sums, maxima = add(sums, step_sums), top(maxima, step_maxima)
+    return sums, maxima
 
 
-def micro_batch_count(run, rows):
-    """Micro-batches of this mini-batch on the rank that has the most: DDP all-reduces once per
-    backward, so every rank runs that many (the short ones add zero-weight stand-ins)."""
-    count = torch.tensor(math.ceil(len(rows) / run.args.micro_batch_size))
-    return max(1, int(all_reduce(count, dist.ReduceOp.MAX)))
+def policy_gradient_update(run, batch, rows):
+    """One update on the mini-batch `rows`: the token counts of the whole mini-batch, over all
+    ranks, are every micro-batch's divisors, so the update is exactly one device's (change 3)."""
+    micro = policy_micro_batches(run, batch, rows)
+    divisors = losses.micro_batch_divisors([mb["mask"] for mb in micro],
+                                           [mb["group_ids"] for mb in micro],
+                                           max_tokens=run.args.max_new_tokens,
+                                           distributed=run.world > 1)
+    if int(divisors[0]["num_tokens"]) == 0:  # no loss token on any rank: nothing to learn
+        return {"empty_updates": 1}, {}
+    micro = [{**mb, "divisors": d} for mb, d in zip(micro, divisors)]
+    return optimizer_update(run, micro, policy_gradient_loss)
 
 
 def policy_micro_batches(run, batch, rows):
@@ -500,20 +440,6 @@ def gkl_of_hidden(hidden, ref_hidden, weight, ref_weight, settings):
                                 **settings)[0]
 
 
-def policy_gradient_update(run, batch, rows):
-    """One update on the mini-batch `rows`: the token counts of the whole mini-batch, over all
-    ranks, are every micro-batch's divisors, so the update is exactly one device's (change 3)."""
-    micro = policy_micro_batches(run, batch, rows)
-    divisors = losses.micro_batch_divisors([mb["mask"] for mb in micro],
-                                           [mb["group_ids"] for mb in micro],
-                                           max_tokens=run.args.max_new_tokens,
-                                           distributed=run.world > 1)
-    if int(divisors[0]["num_tokens"]) == 0:  # no loss token on any rank: nothing to learn
-        return {"empty_updates": 1}, {}
-    micro = [{**mb, "divisors": d} for mb, d in zip(micro, divisors)]
-    return optimizer_update(run, micro, policy_gradient_loss)
-
-
 def dpo_pairs(run, batch):
     """(chosen, rejected, (start, end) of each) from correct-vs-wrong completions of a prompt;
     Step-DPO keeps the loss on the first line where the two part ways."""
@@ -586,22 +512,37 @@ def optimizer_update(run, micro, loss_of):
     return sums, maxima
 
 
-def update(run, batch):
-    """Step 5: --mini-batches optimizer updates, each on the next 1/mu of this rank's samples
-    (or DPO pairs). -> (named sums, named maxima) over the updates"""
-    args = run.args
-    units = dpo_pairs(run, batch) if args.algo == "dpo" else list(range(len(batch.tokens)))
-    size = math.ceil(len(units) / args.mini_batches)
-    sums, maxima = {}, {}
-    for m in range(args.mini_batches):
-        part = units[m * size:(m + 1) * size]
-        step_sums, step_maxima = dpo_update(run, batch, part) if args.algo == "dpo" \
-            else policy_gradient_update(run, batch, part)
-        sums, maxima = add(sums, step_sums), top(maxima, step_maxima)
-    return sums, maxima
+def micro_batch_count(run, rows):
+    """Micro-batches of this mini-batch on the rank that has the most: DDP all-reduces once per
+    backward, so every rank runs that many (the short ones add zero-weight stand-ins)."""
+    count = torch.tensor(math.ceil(len(rows) / run.args.micro_batch_size))
+    return max(1, int(all_reduce(count, dist.ReduceOp.MAX)))
 
 
-# ----------------------------------------------------------------------------- 6: metrics
+def pack(prompts, completions, device):
+    """Prompts left-padded, completions right-padded, in one (B, P + C) batch.
+
+    -> input_ids (B, P+C), attention_mask (B, P+C), loss_mask (B, C), P
+    """
+    P = max(len(p) for p in prompts)
+    C = max(1, max(len(c) for c in completions))
+    ids = torch.zeros(len(prompts), P + C, dtype=torch.long)
+    attn = torch.zeros(len(prompts), P + C, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids[i, P - len(p):P] = torch.tensor(p)
+        ids[i, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
+        attn[i, P - len(p):P + len(c)] = 1
+    return ids.to(device), attn.to(device), attn[:, P:].to(device), P
+
+
+def pad_rows(rows, width, device):
+    out = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r[:width])
+    return out.to(device)
+
+
+# ---- 6: metrics ---------------------------------------------------------------------------------
 
 REWARD_TERMS = ("correct", "format", "format_ok", "integer", "xml_count", "overlong", "ppl",
                 "efficiency")  # rewards.math_reward's components, and the efficiency bonus
@@ -664,7 +605,7 @@ def shared_prompt_accuracy(run, progress, sampled):
     every rank (the adaptive budget reads it; prompts move between ranks each epoch)."""
     seen = [(record["id"], sum(batch.correct[start:start + size]) / size)
             for batch in sampled
-            for record, start, size in zip(batch.records, group_starts(batch), batch.group_sizes)]
+            for record, start, size in zip(batch.records, batch.group_starts(), batch.group_sizes)]
     table = dict(progress.prompt_accuracy)
     for rank_seen in gather(seen, run.world):
         for prompt_id, accuracy in rank_seen:
@@ -672,51 +613,202 @@ def shared_prompt_accuracy(run, progress, sampled):
     return table
 
 
-def group_starts(batch):
-    starts, at = [], 0
-    for size in batch.group_sizes:
-        starts.append(at)
-        at += size
-    return starts
+# ---- the loop -----------------------------------------------------------------------------------
+
+def main(argv=None):
+    args, explicit = config.parse_config(argv)
+    if args.plot:
+        return runs.plot(args.plot)
+    if args.bench and "steps" not in explicit:
+        args.steps = 3
+    run = setup(args)
+    progress = load_checkpoint(run) if args.resume else Progress()
+    rank0, writes = run.rank == 0, run.rank == 0 and not args.bench
+    if writes:
+        open_run_directory(run, progress)
+        print(describe(run), flush=True)
+        if run.heldout and progress.step == 0:
+            evaluate_and_log(run, progress)
+    from tqdm import tqdm
+    bar = tqdm(total=args.steps, initial=progress.step, disable=not writes, desc="train", unit="step",
+               dynamic_ncols=True)
+    last_save, over_time = time.monotonic(), False
+    while progress.step < args.steps and not over_time:
+        progress, row = train_step(run, progress)
+        # Every rank must stop at the same step (or the others hang in the next collective), and
+        # their clocks differ (rank 0 alone evaluates): the decisions are maxed over ranks.
+        flags = reduce_metrics({}, {
+            "over_time": float(bool(args.time_limit) and progress.train_seconds > args.time_limit * 60),
+            "save_due": float(time.monotonic() - last_save > args.checkpoint_minutes * 60 or bool(
+                args.checkpoint_every and progress.step % args.checkpoint_every == 0))})
+        over_time = flags["over_time"] > 0
+        if args.bench:
+            print(f"step {progress.step}: rollout {row['seconds_rollout']:.1f} s, scoring "
+                  f"{row['seconds_scoring']:.1f} s, update {row['seconds_update']:.1f} s", flush=True)
+            continue
+        if rank0:
+            runs.append_line(os.path.join(args.out, "metrics.jsonl"), row)
+            bar.update(1)
+            bar.set_postfix_str(f"acc {row['accuracy']:.2f} kept {row['groups_kept']}/"
+                                f"{row['groups_sampled']} len {row['response_length']:.0f} | "
+                                f"{progress.train_seconds / 60:.1f}/{args.time_limit:g} min")
+            if run.heldout and args.eval_every and progress.step % args.eval_every == 0:
+                evaluate_and_log(run, progress)
+        if flags["save_due"] or over_time or progress.step == args.steps:
+            save_checkpoint(run, progress)
+            last_save = time.monotonic()
+    bar.close()
+    if over_time and rank0:
+        print(f"time limit of {args.time_limit:g} minutes reached after {progress.step} steps", flush=True)
+    if writes:
+        finish(run, progress)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+        # The DDP wrapper still holds the backend; freed during the interpreter's shutdown, its
+        # worker threads sometimes abort the process ("terminate called without an active
+        # exception", seen here about once in 40 gloo runs). Everything is written: leave now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
-# ----------------------------------------------------------------------------- one training step
+def finish(run, progress):
+    """The held-out accuracy at the end (unless just measured), final/, and a summary line."""
+    args, evals = run.args, []
+    if run.heldout:
+        evals = runs.read_lines(os.path.join(args.out, "eval.jsonl"))
+        if not evals or evals[-1]["step"] != progress.step:
+            evals.append({"step": progress.step, **evaluate_and_log(run, progress)})
+    save_model(run.policy, run.tokenizer, os.path.join(args.out, "final"))
+    summary = {"out": args.out, "steps": progress.step, "updates": progress.updates,
+               "train_minutes": round(progress.train_seconds / 60, 2),
+               "skipped_updates": progress.skipped_updates}
+    if evals:
+        summary.update(heldout_before=evals[0]["pass@1"], heldout_after=evals[-1]["pass@1"])
+    print(json.dumps(summary), flush=True)
 
-def train_step(run, progress):
-    """One training step, numbered as in the module docstring. -> (progress after it, its row)"""
+
+# ---- setup, evaluation, checkpoints -------------------------------------------------------------
+
+def setup(args):
+    """The model, its copies, the optimizer and the data of a run -> Run."""
+    rank, world, device = setup_distributed()
+    args.device = device
+    args.out = args.resume or args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    if not args.resume and not args.bench and os.path.exists(args.out):
+        sys.exit(f"train.py: --out {args.out} already exists; use --resume {args.out} or a new --out")
+    if args.prompts_per_step % world:
+        sys.exit(f"train.py: --prompts-per-step {args.prompts_per_step} must be a multiple of the "
+                 f"{world} ranks")
+    torch.manual_seed(args.seed + rank)
+    random.seed(args.seed + rank)
+    try:
+        policy, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
+    except (OSError, ValueError) as e:
+        sys.exit(f"train.py: --model: {e}")
+    policy.train()
+    policy.gradient_checkpointing = args.activation_checkpointing
+    if args.lora_rank:
+        add_lora(policy, rank=args.lora_rank, alpha=args.lora_alpha)
+    if args.template is None:
+        args.template = "none" if str(args.data).startswith("arithmetic") else "dapo"
+    try:  # every row is checked before any training
+        source, heldout = load_data(args, tokenizer, policy.config.max_seq_len)
+    except data.DataError as e:
+        sys.exit(f"train.py: --data: {e}")
+    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and (device.type == "cuda" or cpu_has_bf16()))
+    needs_reference = (args.kl != "none" or args.algo == "dpo") and args.ref == "frozen"
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    return Run(
+        args=args, rank=rank, world=world, policy=policy, tokenizer=tokenizer,
+        model=torch.nn.parallel.DistributedDataParallel(
+            policy, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else policy,
+        # Rollouts on a bf16 copy where bf16 is fast, refreshed after every step.
+        sampler=copy.deepcopy(policy).to(torch.bfloat16).eval() if bf16 and not args.lora_rank else policy,
+        reference=copy.deepcopy(policy).eval().requires_grad_(False) if needs_reference else None,
+        stop_ids=stop_token_ids(tokenizer),
+        step_separators=[i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])]
+        if args.algo == "dpo" and args.dpo_pairs == "step" else [],
+        optimizer=torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay,
+                                    betas=(0.9, 0.999), fused=True),  # one kernel for all tensors
+        source=source, heldout=heldout, bf16=bf16,
+        stream=data.PromptStream(source, args.prompts_per_step, seed=args.seed, rank=rank, world_size=world),
+        variant_rng=random.Random(f"{args.seed}:adversarial:{rank}"))
+
+
+def load_data(args, tokenizer, context):
+    """-> (training source: ArithmeticTask or records, held-out records or None), all checked."""
+    max_prompt = context - args.max_new_tokens
+    if max_prompt < 1:
+        raise data.DataError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt "
+                             f"in the model's context of {context}")
+    heldout = None
+    if str(args.data).startswith("arithmetic"):
+        source = data.ArithmeticTask.from_spec(args.data)
+        if args.eval_data is None:
+            heldout = source.heldout(args.eval_limit)
+    else:
+        source = data.load_records(args.data, tokenizer=tokenizer, template=args.template,
+                                   max_prompt_tokens=max_prompt)
+    if args.eval_data:
+        heldout = data.load_records(args.eval_data, split="test", limit=args.eval_limit,
+                                    tokenizer=tokenizer, template=args.template,
+                                    max_prompt_tokens=max_prompt)
+    return source, heldout
+
+
+def describe(run):
+    """What this run is, in a few lines (every flag is in config.json)."""
     args = run.args
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr_at(progress.step, args)
-    start = time.perf_counter()
-    with torch.no_grad():
-        kept, sampled, surplus, asked = collect_rollouts(run, progress)  # 1-2
-    sampled_at = time.perf_counter()
-    batch = with_advantages(run, kept)                                   # 3
-    batch = with_old_logprobs(run, batch)                                # 4
-    scored_at = time.perf_counter()
-    run.policy.train()
-    update_sums, update_maxima = update(run, batch)                      # 5
-    refresh_sampler(run)
-    end = time.perf_counter()
-    seconds = {"rollout": sampled_at - start, "scoring": scored_at - sampled_at, "update": end - scored_at}
-    row = step_metrics(run, progress, sampled, kept, surplus, asked,     # 6
-                       update_sums, update_maxima, seconds)
-
-    ema = row["accuracy"] if progress.accuracy_ema is None else \
-        0.8 * progress.accuracy_ema + 0.2 * row["accuracy"]
-    if args.curriculum and isinstance(run.source, data.ArithmeticTask) and ema > args.curriculum:
-        run.source.harder()  # the task never runs out of headroom
-        ema = 0.5 * args.curriculum
-    row["accuracy_ema"] = ema
-    progress = replace(progress, step=progress.step + 1, updates=row["updates"],
-                       train_seconds=progress.train_seconds + end - start, accuracy_ema=ema,
-                       skipped_updates=row["skipped_updates_total"], carry=surplus,
-                       prompt_accuracy=shared_prompt_accuracy(run, progress, sampled))
-    row["train_seconds"] = progress.train_seconds
-    return progress, row
+    params = sum(p.numel() for p in run.policy.parameters()) / 1e6
+    precision = "bf16 rollouts and autocast updates, fp32 weights" if run.bf16 else "float32"
+    cpu = " with the CPU defaults" if args.model is None and args.preset == "dapo" else ""
+    method = f"{args.algo} {args.adv_estimator}, {args.loss_agg}, clip {args.eps_low}/{args.eps_high}" \
+        if args.algo == "pg" else f"DPO ({args.dpo_pairs} pairs), beta {args.dpo_beta}"
+    return "\n".join([
+        f"model     {args.model or 'bundled SmolLM2-135M-Instruct'}: {params:.0f}M parameters, "
+        f"{precision}" + (f", LoRA rank {args.lora_rank}" if args.lora_rank else ""),
+        f"data      {args.data} (template {args.template}), held-out: "
+        f"{len(run.heldout) if run.heldout else 'none'}",
+        f"method    preset {args.preset}{cpu}: {method}, dynamic sampling "
+        f"{'on' if args.dynamic_sampling else 'off'}",
+        f"each step {args.prompts_per_step} prompts x {args.samples} samples of <= "
+        f"{args.max_new_tokens} tokens, {args.mini_batches} update(s), lr {args.lr:g} ({args.lr_schedule})",
+        f"length    {args.steps} steps" + (f" or {args.time_limit:g} training minutes" if args.time_limit else ""),
+        f"run       {args.out} (every flag: config.json)"])
 
 
-# ----------------------------------------------------------------------------- evaluation, checkpoints, logs
+def lr_at(step, args):
+    """Learning rate of training step `step` (0-based), shared by its mu updates: linear warm-up
+    over --warmup-steps, then constant (DAPO) or cosine down to 10% at --steps."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return args.lr
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def autocast(run):
+    return torch.autocast(run.args.device.type, dtype=torch.bfloat16) if run.bf16 \
+        else contextlib.nullcontext()
+
+
+def reference_forward(run, fn):
+    """fn(model) under the reference policy: the frozen copy, or the policy with LoRA off."""
+    if run.reference is not None:
+        return fn(run.reference)
+    with lora_disabled(run.policy):
+        return fn(run.policy)
+
+
+@torch.no_grad()
+def refresh_sampler(run):
+    if run.sampler is not run.policy:
+        for p_sampler, p in zip(run.sampler.parameters(), run.policy.parameters()):
+            p_sampler.copy_(p)
+
 
 @torch.no_grad()
 def heldout_accuracy(run, batch_size=64):
@@ -798,168 +890,66 @@ def open_run_directory(run, progress):
     runs.trim_log(os.path.join(args.out, "eval.jsonl"), progress.step if progress.step else -1)
 
 
-def describe(run):
-    """What this run is, in a few lines (every flag is in config.json)."""
-    args = run.args
-    params = sum(p.numel() for p in run.policy.parameters()) / 1e6
-    precision = "bf16 rollouts and autocast updates, fp32 weights" if run.bf16 else "float32"
-    cpu = " with the CPU defaults" if args.model is None and args.preset == "dapo" else ""
-    method = f"{args.algo} {args.adv_estimator}, {args.loss_agg}, clip {args.eps_low}/{args.eps_high}" \
-        if args.algo == "pg" else f"DPO ({args.dpo_pairs} pairs), beta {args.dpo_beta}"
-    return "\n".join([
-        f"model     {args.model or 'bundled SmolLM2-135M-Instruct'}: {params:.0f}M parameters, "
-        f"{precision}" + (f", LoRA rank {args.lora_rank}" if args.lora_rank else ""),
-        f"data      {args.data} (template {args.template}), held-out: "
-        f"{len(run.heldout) if run.heldout else 'none'}",
-        f"method    preset {args.preset}{cpu}: {method}, dynamic sampling "
-        f"{'on' if args.dynamic_sampling else 'off'}",
-        f"each step {args.prompts_per_step} prompts x {args.samples} samples of <= "
-        f"{args.max_new_tokens} tokens, {args.mini_batches} update(s), lr {args.lr:g} ({args.lr_schedule})",
-        f"length    {args.steps} steps" + (f" or {args.time_limit:g} training minutes" if args.time_limit else ""),
-        f"run       {args.out} (every flag: config.json)"])
+# ---- distributed --------------------------------------------------------------------------------
+
+def setup_distributed():
+    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; plain `python train.py` is one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    # Rank 0 alone evaluates and writes checkpoints while the others wait in a collective: allow
+    # more than NCCL's default 10 minutes for that.
+    timeout = datetime.timedelta(hours=2)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=timeout)
+        return rank, world, torch.device("cuda", local)
+    dist.init_process_group("gloo", timeout=timeout)
+    return rank, world, torch.device("cpu")
 
 
-# ----------------------------------------------------------------------------- setup and main
-
-def load_data(args, tokenizer, context):
-    """-> (training source: ArithmeticTask or records, held-out records or None), all checked."""
-    max_prompt = context - args.max_new_tokens
-    if max_prompt < 1:
-        raise data.DataError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt "
-                             f"in the model's context of {context}")
-    heldout = None
-    if str(args.data).startswith("arithmetic"):
-        source = data.ArithmeticTask.from_spec(args.data)
-        if args.eval_data is None:
-            heldout = source.heldout(args.eval_limit)
-    else:
-        source = data.load_records(args.data, tokenizer=tokenizer, template=args.template,
-                                   max_prompt_tokens=max_prompt)
-    if args.eval_data:
-        heldout = data.load_records(args.eval_data, split="test", limit=args.eval_limit,
-                                    tokenizer=tokenizer, template=args.template,
-                                    max_prompt_tokens=max_prompt)
-    return source, heldout
+def all_reduce(tensor, op=dist.ReduceOp.SUM):
+    """`tensor` summed (or `op`) over ranks, in place; a no-op in one process. NCCL reduces CUDA
+    tensors only, so a CPU tensor goes through the GPU and back."""
+    if not dist.is_initialized():
+        return tensor
+    if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
+        on_gpu = tensor.to(torch.cuda.current_device())
+        dist.all_reduce(on_gpu, op=op)
+        return tensor.copy_(on_gpu)
+    dist.all_reduce(tensor, op=op)
+    return tensor
 
 
-def setup(args):
-    """The model, its copies, the optimizer and the data of a run -> Run."""
-    rank, world, device = setup_distributed()
-    args.device = device
-    args.out = args.resume or args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    if not args.resume and not args.bench and os.path.exists(args.out):
-        sys.exit(f"train.py: --out {args.out} already exists; use --resume {args.out} or a new --out")
-    if args.prompts_per_step % world:
-        sys.exit(f"train.py: --prompts-per-step {args.prompts_per_step} must be a multiple of the "
-                 f"{world} ranks")
-    torch.manual_seed(args.seed + rank)
-    random.seed(args.seed + rank)
-    try:
-        policy, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
-    except (OSError, ValueError) as e:
-        sys.exit(f"train.py: --model: {e}")
-    policy.train()
-    policy.gradient_checkpointing = args.activation_checkpointing
-    if args.lora_rank:
-        add_lora(policy, rank=args.lora_rank, alpha=args.lora_alpha)
-    if args.template is None:
-        args.template = "none" if str(args.data).startswith("arithmetic") else "dapo"
-    try:  # every row is checked before any training
-        source, heldout = load_data(args, tokenizer, policy.config.max_seq_len)
-    except data.DataError as e:
-        sys.exit(f"train.py: --data: {e}")
-    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and (device.type == "cuda" or cpu_has_bf16()))
-    needs_reference = (args.kl != "none" or args.algo == "dpo") and args.ref == "frozen"
-    trainable = [p for p in policy.parameters() if p.requires_grad]
-    return Run(
-        args=args, rank=rank, world=world, policy=policy, tokenizer=tokenizer,
-        model=torch.nn.parallel.DistributedDataParallel(
-            policy, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else policy,
-        # Rollouts on a bf16 copy where bf16 is fast, refreshed after every step.
-        sampler=copy.deepcopy(policy).to(torch.bfloat16).eval() if bf16 and not args.lora_rank else policy,
-        reference=copy.deepcopy(policy).eval().requires_grad_(False) if needs_reference else None,
-        stop_ids=stop_token_ids(tokenizer),
-        step_separators=[i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])]
-        if args.algo == "dpo" and args.dpo_pairs == "step" else [],
-        optimizer=torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay,
-                                    betas=(0.9, 0.999), fused=True),  # one kernel for all tensors
-        source=source, heldout=heldout, bf16=bf16,
-        stream=data.PromptStream(source, args.prompts_per_step, seed=args.seed, rank=rank, world_size=world),
-        variant_rng=random.Random(f"{args.seed}:adversarial:{rank}"))
+def add(a, b):
+    """Two dicts of named sums added name by name."""
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in a.keys() | b.keys()}
 
 
-def main(argv=None):
-    args, explicit = config.parse_config(argv)
-    if args.plot:
-        return runs.plot(args.plot)
-    if args.bench and "steps" not in explicit:
-        args.steps = 3
-    run = setup(args)
-    progress = load_checkpoint(run) if args.resume else Progress()
-    rank0, writes = run.rank == 0, run.rank == 0 and not args.bench
-    if writes:
-        open_run_directory(run, progress)
-        print(describe(run), flush=True)
-        if run.heldout and progress.step == 0:
-            evaluate_and_log(run, progress)
-    from tqdm import tqdm
-    bar = tqdm(total=args.steps, initial=progress.step, disable=not writes, desc="train", unit="step",
-               dynamic_ncols=True)
-    last_save, over_time = time.monotonic(), False
-    while progress.step < args.steps and not over_time:
-        progress, row = train_step(run, progress)
-        # Every rank must stop at the same step (or the others hang in the next collective), and
-        # their clocks differ (rank 0 alone evaluates): the decisions are maxed over ranks.
-        flags = reduce_metrics({}, {
-            "over_time": float(bool(args.time_limit) and progress.train_seconds > args.time_limit * 60),
-            "save_due": float(time.monotonic() - last_save > args.checkpoint_minutes * 60 or bool(
-                args.checkpoint_every and progress.step % args.checkpoint_every == 0))})
-        over_time = flags["over_time"] > 0
-        if args.bench:
-            print(f"step {progress.step}: rollout {row['seconds_rollout']:.1f} s, scoring "
-                  f"{row['seconds_scoring']:.1f} s, update {row['seconds_update']:.1f} s", flush=True)
-            continue
-        if rank0:
-            runs.append_line(os.path.join(args.out, "metrics.jsonl"), row)
-            bar.update(1)
-            bar.set_postfix_str(f"acc {row['accuracy']:.2f} kept {row['groups_kept']}/"
-                                f"{row['groups_sampled']} len {row['response_length']:.0f} | "
-                                f"{progress.train_seconds / 60:.1f}/{args.time_limit:g} min")
-            if run.heldout and args.eval_every and progress.step % args.eval_every == 0:
-                evaluate_and_log(run, progress)
-        if flags["save_due"] or over_time or progress.step == args.steps:
-            save_checkpoint(run, progress)
-            last_save = time.monotonic()
-    bar.close()
-    if over_time and rank0:
-        print(f"time limit of {args.time_limit:g} minutes reached after {progress.step} steps", flush=True)
-    if writes:
-        finish(run, progress)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-        # The DDP wrapper still holds the backend; freed during the interpreter's shutdown, its
-        # worker threads sometimes abort the process ("terminate called without an active
-        # exception", seen here about once in 40 gloo runs). Everything is written: leave now.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+def top(a, b):
+    """Two dicts of named maxima, maxed name by name."""
+    return {k: max(a.get(k, -math.inf), b.get(k, -math.inf)) for k in a.keys() | b.keys()}
 
 
-def finish(run, progress):
-    """The held-out accuracy at the end (unless just measured), final/, and a summary line."""
-    args, evals = run.args, []
-    if run.heldout:
-        evals = runs.read_lines(os.path.join(args.out, "eval.jsonl"))
-        if not evals or evals[-1]["step"] != progress.step:
-            evals.append({"step": progress.step, **evaluate_and_log(run, progress)})
-    save_model(run.policy, run.tokenizer, os.path.join(args.out, "final"))
-    summary = {"out": args.out, "steps": progress.step, "updates": progress.updates,
-               "train_minutes": round(progress.train_seconds / 60, 2),
-               "skipped_updates": progress.skipped_updates}
-    if evals:
-        summary.update(heldout_before=evals[0]["pass@1"], heldout_after=evals[-1]["pass@1"])
-    print(json.dumps(summary), flush=True)
+def reduce_metrics(sums, maxima):
+    """Named sums added over ranks and named maxima maxed over ranks, in one call (every rank
+    passes the same names). -> one dict."""
+    out = {}
+    for values, op in ((sums, dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX)):
+        names = sorted(values)
+        reduced = all_reduce(torch.tensor([float(values[n]) for n in names], dtype=torch.float64), op)
+        out.update(zip(names, reduced.tolist()))
+    return out
+
+
+def gather(obj, world):
+    """[obj of rank 0, obj of rank 1, ...] on every rank (any picklable object)."""
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
 
 
 if __name__ == "__main__":
