@@ -72,9 +72,9 @@ def group_advantages(rewards, group_size, kind: str = "grpo", eps: float = 1e-6)
         reinforce_baseline  A_i = r_i - mean(r), then whitened over all N (REINFORCE++-baseline)
 
     mean / std are over the completion's own group. A group of one has no baseline: advantage 0.
-    A group whose rewards are all equal gets exactly 0 (rounding in the mean would otherwise leave
-    noise of order eps-relative that the std division blows up). fp64 arithmetic; the result has
-    the rewards' floating dtype. `reinforce_baseline` whitens over the rewards passed in; under
+    A group whose rewards are all equal gets exactly 0 (else the mean's rounding error, divided by
+    a std just as tiny, becomes an advantage of order 1e-2). fp64 arithmetic; the result has the
+    rewards' floating dtype. `reinforce_baseline` whitens over the rewards passed in; under
     DDP pass "dr_grpo" here and `whiten` with the moments summed over ranks.
     """
     rewards = torch.as_tensor(rewards)

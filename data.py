@@ -164,8 +164,13 @@ def _read_file(path):
     if ext == ".jsonl":
         yield from _read_json_lines(path)
     elif ext == ".json":
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            line = raw[:error.start].count(b"\n") + 1
+            raise DataError(f"{path}: line {line}: not UTF-8 text (byte {error.start})") from None
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as error:
@@ -185,8 +190,15 @@ def _read_file(path):
             parquet = pq.ParquetFile(path)
         except Exception as error:
             raise DataError(f"{path}: not a readable parquet file: {error}") from error
-        number = 0
-        for batch in parquet.iter_batches(batch_size=4096):  # streamed: stops early with `limit`
+        number, batches = 0, parquet.iter_batches(batch_size=4096)  # streamed: `limit` stops early
+        while True:
+            try:
+                batch = next(batches, None)
+            except Exception as error:  # corrupt data pages: pyarrow raises OSError / ArrowInvalid
+                raise DataError(f"{path}: rows after {number}: cannot read (corrupt parquet "
+                                f"data: {error})") from error
+            if batch is None:
+                return
             for row in batch.to_pylist():
                 number += 1
                 yield number, row
@@ -195,8 +207,13 @@ def _read_file(path):
 
 
 def _read_json_lines(path):
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"{path}: row {number} (line {number}): not UTF-8 text (byte "
+                                f"{error.start + 1} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -214,7 +231,12 @@ def _records_from_rows(numbered_rows, source, limit):
     """Reads the layout off the first row, then turns every row into a record (or fails)."""
     records, layout, seen = [], None, set()
     for number, row in numbered_rows:
-        row = {str(key).lower(): value for key, value in row.items()}
+        lowered = {str(key).lower(): value for key, value in row.items()}
+        if len(lowered) < len(row):  # "Answer" and "answer": which one is meant?
+            clash = sorted(k for k in row if sum(str(o).lower() == str(k).lower() for o in row) > 1)
+            raise DataError(f"{source}: row {number}: fields {clash} differ only in case "
+                            "(fields are matched case-insensitively)")
+        row = lowered
         if layout is None:
             layout = _detect_layout(row, source, number)
         record = _record_from_row(row, layout, source, number)

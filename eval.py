@@ -286,7 +286,7 @@ def _float_in(low, high=math.inf, low_open=False):
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (value > low if low_open else value >= low) or value > high or math.isnan(value):
+        if not (value > low if low_open else value >= low) or value > high or not math.isfinite(value):
             bound = f"> {low}" if low_open else f">= {low}"
             raise argparse.ArgumentTypeError(
                 f"must be {bound}" + (f" and <= {high}" if high != math.inf else "") + f", got {text}")
@@ -297,6 +297,7 @@ def _float_in(low, high=math.inf, low_open=False):
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="eval.py", description="pass@1 / avg@k / pass@k / maj@k of a model on a math benchmark.",
+        usage="%(prog)s [--model M] [--data D] [--k K] [FLAG ...] (all flags: --help)", allow_abbrev=False,
         epilog="See the module docstring (python -c 'import eval; help(eval)') for metric "
                "definitions and example command lines.")
     what = parser.add_argument_group("what to evaluate")
@@ -327,7 +328,7 @@ def build_parser():
     sampling.add_argument("--max-new-tokens", type=_int_at_least(1), default=None,
                           help="response budget in tokens (default: 256 for arithmetic, 1024 "
                                "otherwise)")
-    sampling.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    sampling.add_argument("--seed", type=_int_at_least(0), default=0, help="sampling seed (default: 0)")
     run = parser.add_argument_group("how to run")
     run.add_argument("--batch-size", type=_int_at_least(1), default=None,
                      help=f"prompts per generate call, each with k samples (default: "
@@ -339,7 +340,9 @@ def build_parser():
                      help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     run.add_argument("--out", default=None,
                      help="per-problem results, one JSON line each (default: "
-                          "eval-<data>-<YYYYmmdd-HHMMSS>.jsonl in the current directory)")
+                          "eval-<data>-<YYYYmmdd-HHMMSS>.jsonl in the current directory); never "
+                          "the --data file, and an existing file only with --overwrite")
+    run.add_argument("--overwrite", action="store_true", help="let --out replace an existing file")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -352,7 +355,9 @@ def resolve_dtype(name, device):
     return torch.bfloat16 if device.type == "cuda" or model_lib.cpu_has_bf16() else torch.float32
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The command line, every value checked before any work (a usage error, exit 2, names the
+    flag). -> (parser, args)"""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.temperature is None:
@@ -360,8 +365,32 @@ def main(argv=None):
     if args.temperature == 0 and args.k > 1:
         parser.error(f"argument --k: k={args.k} with --temperature 0 would give {args.k} identical "
                      "greedy samples; pass --temperature > 0 (e.g. 1.0) or --k 1")
-    if args.out is not None and os.path.isdir(args.out):
-        parser.error(f"argument --out: {args.out} is a directory; give a file name")
+    args.out = args.out or default_out_path(args.data)
+    check_out_path(parser, args)
+    return parser, args
+
+
+def check_out_path(parser, args):
+    """--out must not be the data it reads, must not replace a file unasked, and must be
+    writable: found out now, not after the whole evaluation."""
+    out = args.out
+    if os.path.isdir(out):
+        parser.error(f"argument --out: {out} is a directory; give a file name")
+    if os.path.exists(out) and os.path.exists(args.data) and os.path.samefile(out, args.data):
+        parser.error(f"argument --out: {out} is the --data file; the results would overwrite it")
+    if os.path.exists(out) and not args.overwrite:
+        parser.error(f"argument --out: {out} exists; pick another name or pass --overwrite")
+    folder = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".eval-check-"):
+            pass
+    except OSError as error:
+        parser.error(f"argument --out: cannot write in {folder}: {error.strerror or error}")
+
+
+def main(argv=None):
+    parser, args = parse_args(argv)
     template = args.template or default_template(args.data)
     max_new_tokens = args.max_new_tokens or default_max_new_tokens(args.data)
     try:
@@ -404,13 +433,17 @@ def main(argv=None):
         model, tokenizer, records, k=args.k, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, max_new_tokens=max_new_tokens, template=template,
         batch_size=args.batch_size, seed=args.seed, progress=not args.quiet)
-    out = args.out or default_out_path(args.data)
-    write_jsonl_atomic(out, results)
+    out, write_error = args.out, None
+    try:
+        write_jsonl_atomic(out, results)
+    except OSError as error:  # the summary line below still comes out
+        write_error = f"{out}: {error.strerror or error}"
+        print(f"eval.py: could not write the per-problem results: {write_error}", file=sys.stderr)
 
     line = {"model": args.model or BUNDLED_NAME, "data": args.data, "split": args.split}
     line.update(summary)
     line.update(dtype=str(dtype).replace("torch.", ""), device=str(device),
-                load_seconds=load_seconds, out=os.path.abspath(out))
+                load_seconds=load_seconds, out=None if write_error else os.path.abspath(out))
     line = {key: round(value, 6) if isinstance(value, float) else value
             for key, value in line.items()}
     print(f"{line['n']} problems, k={line['k']}: pass@1 {line['pass@1']:.4f}  avg@k "
@@ -418,7 +451,9 @@ def main(argv=None):
           f"mean length {line['mean_length']:.1f}  truncated {line['truncated']:.1%}  "
           f"({line['seconds']:.1f} s) -> {out}", file=sys.stderr)
     sys.stdout.flush()
-    print(json.dumps(line), flush=True)
+    print(json.dumps(line, allow_nan=False), flush=True)  # strict JSON: no NaN or Infinity
+    if write_error:
+        sys.exit(1)
     return line
 
 

@@ -74,15 +74,22 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
         """Reads a transformers config.json dict; anything we do not implement is an error."""
+        if not isinstance(hf, dict):
+            raise ValueError(f"{source}: expected a JSON object, got a {type(hf).__name__}")
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_TYPES:
             archs = hf.get("architectures")
             raise ValueError(f"{source}: unsupported architecture model_type={model_type!r} "
                              f"(architectures={archs}); model.py supports {', '.join(SUPPORTED_TYPES)}")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads"):
-            if not isinstance(hf.get(key), int):
-                raise ValueError(f"{source}: field {key!r} missing or not an integer")
+                    "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "max_position_embeddings"):
+            value = hf.get(key, 1 if key in ("num_key_value_heads", "head_dim",
+                                             "max_position_embeddings") else None)
+            if value is None and key in ("num_key_value_heads", "head_dim"):
+                continue  # written as null by some exporters: the defaults below apply
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{source}: hidden_act={act!r} is not supported (SwiGLU uses silu)")
@@ -576,6 +583,8 @@ def load_state_dict_strict(model: Transformer, tensors: dict, source: str):
             if tuple(src.shape) != tuple(dst.shape):
                 raise ValueError(f"{source}: tensor {hf_name} has shape {tuple(src.shape)}, "
                                  f"the config implies {tuple(dst.shape)}")
+            if src.is_floating_point() and not bool(torch.isfinite(src).all()):
+                raise ValueError(f"{source}: tensor {hf_name} holds NaN or infinite values")
             dst.copy_(src.to(dst.dtype))
 
 
@@ -639,20 +648,34 @@ def empty_model(cfg: ModelConfig, dtype, device) -> Transformer:
 
 
 def _load_directory(path, dtype, device):
-    from transformers import AutoTokenizer
+    """A checkpoint directory: config.json, weights and tokenizer, each checked before use."""
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{path}: no config.json (not a transformers checkpoint directory)")
     try:
-        with open(config_path) as f:
+        with open(config_path, encoding="utf-8") as f:
             hf = json.load(f)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # malformed JSON, or bytes that are not UTF-8
         raise ValueError(f"{config_path}: not valid JSON ({e})") from e
     cfg = ModelConfig.from_hf(hf, config_path)
+    tokenizer = _load_tokenizer(path)
+    if len(tokenizer) > cfg.vocab_size:  # ids past the embedding would fail mid-run
+        raise ValueError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's "
+                         f"vocabulary only {cfg.vocab_size} (config.json vocab_size)")
     model = empty_model(cfg, dtype, device)
     load_state_dict_strict(model, _read_safetensors(path), path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
     return model.eval(), tokenizer
+
+
+def _load_tokenizer(path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # a broken tokenizer.json / tokenizer_config.json / vocabulary file
+        files = ", ".join(n for n in sorted(os.listdir(path))
+                          if "token" in n or n.endswith((".model", ".txt"))) or "no tokenizer files"
+        raise ValueError(f"{path}: cannot read the tokenizer ({files}): "
+                         f"{type(e).__name__}: {e}") from e
 
 
 def bundled_gguf_path() -> str:

@@ -5,23 +5,66 @@
     runs/NAME/eval.jsonl               held-out accuracy at step 0, every --eval-every steps, the end
     runs/NAME/checkpoint.pt            the latest checkpoint; checkpoint-previous.pt, the one before
     runs/NAME/final/                   the trained model (model.save_model)
+    runs/NAME/run.lock                 who writes this run now (pid, host, since when)
 
     python train.py --plot runs/NAME   # runs/NAME/curve.png
 
-A checkpoint is written whole to a temporary file and only then renamed over the last one, which
-is kept as checkpoint-previous.pt: a crash at any moment leaves a complete checkpoint behind. On
-resume, the log lines written after the checkpoint are dropped (those steps run again), so a
-resumed run's logs equal a run never stopped. Imports only torch and the standard library.
+A checkpoint is written whole to a temporary file, read back, and only then renamed over the last
+one, which is kept as checkpoint-previous.pt: a crash at any moment leaves a complete checkpoint,
+and a damaged newest one is passed over for the one before, with a warning. On resume, the log
+lines written after the checkpoint are dropped (those steps run again), so a resumed run's logs
+equal a run never stopped; a line that cannot be read is kept in LOG.unreadable, never deleted.
+One process writes a run at a time: `lock` refuses a second one. Imports only torch and the
+standard library.
 """
 
+import fcntl
 import json
 import os
 import random
+import socket
 import sys
+import time
 
 import torch
 
 CHECKPOINT, PREVIOUS_CHECKPOINT = "checkpoint.pt", "checkpoint-previous.pt"
+
+
+class RunError(ValueError):
+    """A run directory that cannot be used as asked; the message says which file and why."""
+
+
+def create(run_dir):
+    """A new, empty run directory; RunError if it exists (the check and the creation are one
+    step, so two runs started with the same --out cannot both get it)."""
+    os.makedirs(os.path.dirname(os.path.abspath(run_dir)), exist_ok=True)
+    try:
+        os.mkdir(run_dir)
+    except FileExistsError:
+        raise RunError(f"--out {run_dir} already exists; use --resume {run_dir} or a new --out") \
+            from None
+
+
+def lock(run_dir):
+    """Takes run_dir/run.lock for as long as this process lives (the system releases it when the
+    process ends, killed or not) and writes who holds it. -> the open file: keep a reference.
+    RunError naming the holder when another process writes this run."""
+    handle = open(os.path.join(run_dir, "run.lock"), "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise RunError(f"{run_dir} is being written by {holder}: wait for it to finish (or stop "
+                       "it) before resuming; two writers would corrupt the run") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"train.py, pid {os.getpid()} on {socket.gethostname()}, since "
+                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    return handle
 
 
 def write_config(run_dir, config):
@@ -31,8 +74,18 @@ def write_config(run_dir, config):
 
 
 def read_config(run_dir):
-    with open(os.path.join(run_dir, "config.json")) as f:
-        return json.load(f)
+    """The flags of a run, from its config.json; RunError if it is missing or damaged."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        raise RunError(f"{run_dir}: no config.json there (not a run directory)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except ValueError as error:  # truncated, not JSON, not UTF-8
+        raise RunError(f"{path}: damaged ({error}); it cannot be resumed as it is") from None
+    if not isinstance(config, dict):
+        raise RunError(f"{path}: expected a JSON object of flags, got a {type(config).__name__}")
+    return config
 
 
 def append_line(path, row):
@@ -49,39 +102,62 @@ def read_lines(path):
 
 
 def trim_log(path, step):
-    """Keeps the JSON lines of `path` whose "step" is <= step; a torn last line goes too."""
+    """Keeps the JSON lines of `path` whose "step" is <= step. Lines that cannot be read (a line
+    torn by a crash, a line damaged by hand) move to PATH.unreadable, with a warning."""
     if not os.path.exists(path):
         return
-    kept = []
-    with open(path) as f:
-        for line in f:
+    kept, unreadable = [], []
+    with open(path, "rb") as f:
+        for raw in f:
             try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line)
+                if json.loads(raw.decode("utf-8"))["step"] <= step:
+                    kept.append(raw)
             except (ValueError, KeyError, TypeError):
-                pass
-    with open(path + ".tmp", "w") as f:
+                unreadable.append(raw if raw.endswith(b"\n") else raw + b"\n")
+    if unreadable:
+        with open(path + ".unreadable", "ab") as f:
+            f.writelines(unreadable)
+        print(f"train.py: warning: {len(unreadable)} unreadable line(s) of {path} kept in "
+              f"{path}.unreadable", file=sys.stderr)
+    with open(path + ".tmp", "wb") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)  # a crash here leaves the old file whole
 
 
 def save_checkpoint(run_dir, state):
-    """`state` (tensors, numbers, strings, lists, dicts) to run_dir/checkpoint.pt, atomically;
-    the checkpoint it replaces stays as checkpoint-previous.pt."""
+    """`state` (tensors, numbers, strings, lists, dicts) to run_dir/checkpoint.pt, atomically and
+    read back before it replaces anything; the checkpoint it replaces stays as
+    checkpoint-previous.pt."""
     path = os.path.join(run_dir, CHECKPOINT)
     torch.save(state, path + ".tmp")
+    torch.load(path + ".tmp", map_location="cpu", weights_only=True, mmap=True)  # raises if not whole
     if os.path.exists(path):
         os.replace(path, os.path.join(run_dir, PREVIOUS_CHECKPOINT))
     os.replace(path + ".tmp", path)
 
 
 def load_checkpoint(run_dir):
-    """The state of run_dir/checkpoint.pt, or None when the run has none yet. Loaded on the CPU
-    (random states must stay there) with weights_only=True: nothing in it is run as code."""
-    path = os.path.join(run_dir, CHECKPOINT)
-    if not os.path.exists(path):
-        return None
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """The state of the newest readable checkpoint of run_dir (checkpoint.pt, else
+    checkpoint-previous.pt, with a warning), or None when the run has none yet. RunError when
+    every one there is damaged. Loaded on the CPU (random states must stay there) with
+    weights_only=True: nothing in a checkpoint is run as code."""
+    problems = []
+    for name in (CHECKPOINT, PREVIOUS_CHECKPOINT):
+        path = os.path.join(run_dir, name)
+        if not os.path.exists(path):
+            continue
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # truncated, empty, not a checkpoint
+            problems.append(f"{name} is damaged ({type(error).__name__}: {str(error)[:200]})")
+            continue
+        if problems:
+            print(f"train.py: warning: {'; '.join(problems)}; resuming from {name} instead",
+                  file=sys.stderr)
+        return state
+    if problems:
+        raise RunError(f"{run_dir}: no readable checkpoint: {'; '.join(problems)}")
+    return None
 
 
 def rng_state():

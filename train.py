@@ -146,6 +146,7 @@ class Run:
     heldout: list               # held-out records, or None
     bf16: bool                  # updates under bf16 autocast
     variant_rng: random.Random  # draws the adversarial variants
+    run_lock: object            # rank 0's hold on the run directory (runs.lock), else None
 
 
 # ---- one training step --------------------------------------------------------------------------
@@ -300,7 +301,7 @@ def with_old_logprobs(run, batch):
     Groups carried from the last step keep their sampler's log-probs: that policy sampled them."""
     args = run.args
     old = [list(lp) if stale else None for lp, stale in zip(batch.sampler_logprobs, batch.stale)]
-    if args.mini_batches > 1:
+    if args.mini_batches > 1 and args.algo == "pg":  # (DPO has no ratio)
         fresh = [i for i, stale in enumerate(batch.stale) if not stale]
         for at in range(0, len(fresh), args.micro_batch_size):
             rows = fresh[at:at + args.micro_batch_size]
@@ -349,7 +350,7 @@ def policy_micro_batches(run, batch, rows):
     """The mini-batch `rows` of `batch` as tensors, micro-batch by micro-batch."""
     size, group, device = run.args.micro_batch_size, batch.group_index(), run.args.device
     out = []
-    for k in range(micro_batch_count(run, rows)):
+    for k in range(micro_batch_count(len(rows), size)):
         part = rows[k * size:(k + 1) * size]
         if not part:  # this rank has fewer micro-batches than another: a zero-weight stand-in
             part, batch, group = [0], STAND_IN, [0]
@@ -458,7 +459,7 @@ def dpo_update(run, batch, pairs):
     if float(num_pairs) == 0:
         return {"empty_updates": 1}, {}
     micro = []
-    for k in range(micro_batch_count(run, pairs * 2)):
+    for k in range(micro_batch_count(len(pairs), size)):
         part = pairs[k * size:(k + 1) * size]
         rows = [(i, span) for c, r, span_c, span_r in part for i, span in ((c, span_c), (r, span_r))]
         ids, attn, mask, start = pack([batch.prompts[i] for i, _ in rows] or [[0]],
@@ -512,10 +513,10 @@ def optimizer_update(run, micro, loss_of):
     return sums, maxima
 
 
-def micro_batch_count(run, rows):
-    """Micro-batches of this mini-batch on the rank that has the most: DDP all-reduces once per
+def micro_batch_count(items, size):
+    """Micro-batches of `size` items on the rank that has the most: DDP all-reduces once per
     backward, so every rank runs that many (the short ones add zero-weight stand-ins)."""
-    count = torch.tensor(math.ceil(len(rows) / run.args.micro_batch_size))
+    count = torch.tensor(math.ceil(items / size))
     return max(1, int(all_reduce(count, dist.ReduceOp.MAX)))
 
 
@@ -632,13 +633,14 @@ def main(argv=None):
     from tqdm import tqdm
     bar = tqdm(total=args.steps, initial=progress.step, disable=not writes, desc="train", unit="step",
                dynamic_ncols=True)
-    last_save, over_time = time.monotonic(), False
+    limit = args.time_limit * 60 or math.inf  # seconds of training; 0: none
+    last_save, over_time = time.monotonic(), progress.train_seconds > limit  # (a resumed run)
     while progress.step < args.steps and not over_time:
         progress, row = train_step(run, progress)
         # Every rank must stop at the same step (or the others hang in the next collective), and
         # their clocks differ (rank 0 alone evaluates): the decisions are maxed over ranks.
         flags = reduce_metrics({}, {
-            "over_time": float(bool(args.time_limit) and progress.train_seconds > args.time_limit * 60),
+            "over_time": float(progress.train_seconds > limit),
             "save_due": float(time.monotonic() - last_save > args.checkpoint_minutes * 60 or bool(
                 args.checkpoint_every and progress.step % args.checkpoint_every == 0))})
         over_time = flags["over_time"] > 0
@@ -651,7 +653,8 @@ def main(argv=None):
             bar.update(1)
             bar.set_postfix_str(f"acc {row['accuracy']:.2f} kept {row['groups_kept']}/"
                                 f"{row['groups_sampled']} len {row['response_length']:.0f} | "
-                                f"{progress.train_seconds / 60:.1f}/{args.time_limit:g} min")
+                                f"{progress.train_seconds / 60:.1f}" + (f"/{args.time_limit:g}"
+                                                                         * bool(args.time_limit)) + " min")
             if run.heldout and args.eval_every and progress.step % args.eval_every == 0:
                 evaluate_and_log(run, progress)
         if flags["save_due"] or over_time or progress.step == args.steps:
@@ -696,8 +699,10 @@ def setup(args):
     rank, world, device = setup_distributed()
     args.device = device
     args.out = args.resume or args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    if not args.resume and not args.bench and os.path.exists(args.out):
+    writes = rank == 0 and not args.bench
+    if writes and not args.resume and os.path.exists(args.out):  # (said again at creation)
         sys.exit(f"train.py: --out {args.out} already exists; use --resume {args.out} or a new --out")
+    run_lock = claim_run_directory(args) if writes and args.resume else None  # before any work
     if args.prompts_per_step % world:
         sys.exit(f"train.py: --prompts-per-step {args.prompts_per_step} must be a multiple of the "
                  f"{world} ranks")
@@ -717,6 +722,8 @@ def setup(args):
         source, heldout = load_data(args, tokenizer, policy.config.max_seq_len)
     except data.DataError as e:
         sys.exit(f"train.py: --data: {e}")
+    if writes and not args.resume:  # a new run: once its model and data passed their checks
+        run_lock = claim_run_directory(args)
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and (device.type == "cuda" or cpu_has_bf16()))
     needs_reference = (args.kl != "none" or args.algo == "dpo") and args.ref == "frozen"
     trainable = [p for p in policy.parameters() if p.requires_grad]
@@ -732,9 +739,20 @@ def setup(args):
         if args.algo == "dpo" and args.dpo_pairs == "step" else [],
         optimizer=torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay,
                                     betas=(0.9, 0.999), fused=True),  # one kernel for all tensors
-        source=source, heldout=heldout, bf16=bf16,
+        source=source, heldout=heldout, bf16=bf16, run_lock=run_lock,
         stream=data.PromptStream(source, args.prompts_per_step, seed=args.seed, rank=rank, world_size=world),
         variant_rng=random.Random(f"{args.seed}:adversarial:{rank}"))
+
+
+def claim_run_directory(args):
+    """Rank 0's hold on the run directory (runs.lock), so that no second process writes it; a new
+    run's directory is created in the same step as the check that it is new. -> the lock"""
+    try:
+        if not args.resume:
+            runs.create(args.out)
+        return runs.lock(args.out)
+    except runs.RunError as error:
+        sys.exit(f"train.py: {error}")
 
 
 def load_data(args, tokenizer, context):
@@ -858,7 +876,10 @@ def save_checkpoint(run, progress):
 
 def load_checkpoint(run):
     """The run's state at its last checkpoint -> Progress (a fresh one if there is none yet)."""
-    state = runs.load_checkpoint(run.args.out)
+    try:
+        state = runs.load_checkpoint(run.args.out)
+    except runs.RunError as error:
+        sys.exit(f"train.py: --resume: {error}")
     if state is None:  # killed before its first checkpoint: start over
         return Progress()
     if "progress" not in state:

@@ -371,3 +371,41 @@ def test_plain_template_without_chat_template(chat_tokenizer):
     dapo = base.decode(format_prompt(record, base, "dapo"))
     assert dapo.startswith("Question: " + DAPO_INSTRUCTION) and dapo.endswith("\nAnswer:")
     assert "<|im_start|>" not in dapo
+
+
+# ---------------------------------------------------------------------------------------------
+# Broken files: one line naming the file and the row
+
+
+def test_non_utf8_bytes_name_file_and_row(tmp_path):
+    rows = [json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}).encode()] * 2
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b"\n".join(rows[:1] + [b'{"prompt": "caf\xe9", "answer": "1"}'] + rows[1:]))
+    with pytest.raises(DataError, match=r"latin1.jsonl: row 2 .*not UTF-8"):
+        data.load_records(str(path))
+    whole = tmp_path / "latin1.json"
+    whole.write_bytes(b'[\n{"prompt": "a", "answer": "1"},\n{"prompt": "caf\xe9", "answer": "1"}\n]')
+    with pytest.raises(DataError, match=r"latin1.json: line 3: not UTF-8"):
+        data.load_records(str(whole))
+
+
+def test_corrupt_parquet_pages_name_the_file(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    path = tmp_path / "broken.parquet"
+    table = pa.table({"prompt": [f"What is {i} + {i}? " * 20 for i in range(2000)],
+                      "answer": [str(2 * i) for i in range(2000)]})
+    pq.write_table(table, path, compression="snappy", row_group_size=500)
+    raw = bytearray(path.read_bytes())
+    middle = len(raw) // 2
+    raw[middle:middle + 4000] = os.urandom(4000)  # data pages; the footer stays readable
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"broken.parquet"):
+        data.load_records(str(path))
+
+
+def test_fields_differing_only_in_case_are_refused(tmp_path):
+    path = tmp_path / "clash.jsonl"
+    path.write_text(json.dumps({"prompt": "What is 1 + 1?", "Answer": "3", "answer": "2"}) + "\n")
+    with pytest.raises(DataError, match=r"clash.jsonl: row 1: fields \['Answer', 'answer'\]"):
+        data.load_records(str(path))

@@ -304,3 +304,48 @@ def test_bundled_model_greedy_on_arithmetic(tmp_path):
     # the instruct model ends its turn with <|im_end|>, which must stop it
     assert any(reason == "stop" for row in rows for reason in row["finish_reasons"])
     assert line["truncated"] < 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# --out never costs the input or the result
+
+
+def test_out_never_destroys_the_data_or_an_existing_file(tiny_ckpt, tmp_path, capsys):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"question": "t5 t6", "answer": "1"}) + "\n")
+    before = path.read_bytes()
+    for out, message in ((path, "is the --data file"), (tmp_path / "." / "data.jsonl", "is the --data file")):
+        with pytest.raises(SystemExit) as exit_info:
+            ev.main(["--model", tiny_ckpt("llama"), "--data", str(path), "--out", str(out),
+                     "--max-new-tokens", "4", "--overwrite"])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert path.read_bytes() == before
+    existing = tmp_path / "results.jsonl"
+    existing.write_text("keep me\n")
+    with pytest.raises(SystemExit):
+        ev.parse_args(["--data", str(path), "--out", str(existing)])
+    assert "exists; pick another name or pass --overwrite" in capsys.readouterr().err
+    assert ev.parse_args(["--data", str(path), "--out", str(existing), "--overwrite"])[1].out == str(existing)
+
+
+def test_unwritable_out_fails_before_the_evaluation(tmp_path, capsys):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(SystemExit) as exit_info:  # a folder that cannot exist (even for root)
+        ev.parse_args(["--data", "arithmetic", "--out", str(a_file / "out.jsonl")])
+    assert exit_info.value.code == 2 and "cannot write in" in capsys.readouterr().err
+
+
+def test_summary_line_survives_a_failed_write(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """The evaluation is done: if the results file cannot be written after all (disk full), the
+    summary line still comes out, strict JSON, and the exit code says what happened."""
+    def full_disk(path, rows):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ev, "write_jsonl_atomic", full_disk)
+    with pytest.raises(SystemExit) as exit_info:
+        ev.main(["--model", tiny_ckpt("llama"), "--data", "arithmetic", "--limit", "2",
+                 "--max-new-tokens", "2", "--out", str(tmp_path / "out.jsonl"), "--quiet"])
+    captured = capsys.readouterr()
+    line = json.loads(captured.out.strip().splitlines()[-1])
+    assert exit_info.value.code == 1 and line["n"] == 2 and line["out"] is None
+    assert "No space left on device" in captured.err

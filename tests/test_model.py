@@ -4,6 +4,7 @@ saving (sharded, round trip, LoRA merged on save, clear errors), the KV cache, c
 log-probs and their gradients, LoRA."""
 
 import dataclasses
+import json
 import os
 import time
 
@@ -496,3 +497,47 @@ def test_cpu_bf16_detection_can_be_forced(monkeypatch):
     monkeypatch.delenv("DAPO_CPU_BF16")
     flags = open("/proc/cpuinfo").read()
     assert cpu_has_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+# ---------------------------------------------------------------------------------------------
+# Broken checkpoints fail at load, naming the file (and the tensor), not in the middle of a run
+
+
+def _copy_checkpoint(tiny_ckpt, tmp_path):
+    import shutil
+    return shutil.copytree(tiny_ckpt("llama"), tmp_path / "ckpt")
+
+
+def _edit_config(directory, change):
+    path = directory / "config.json"
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda cfg: [cfg], r"config.json: expected a JSON object, got a list"),
+    (lambda cfg: {**cfg, "hidden_size": -64}, r"config.json: field 'hidden_size' must be a positive"),
+    (lambda cfg: {**cfg, "num_key_value_heads": 0}, r"config.json: field 'num_key_value_heads'"),
+    (lambda cfg: {**cfg, "vocab_size": 100}, r"the tokenizer has 128 tokens but the model's "
+                                               r"vocabulary only 100"),
+])
+def test_bad_config_is_named_at_load(tiny_ckpt, tmp_path, change, message):
+    directory = _copy_checkpoint(tiny_ckpt, tmp_path)
+    _edit_config(directory, change)
+    with pytest.raises(ValueError, match=message):
+        load_model(str(directory))
+
+
+def test_non_finite_weights_name_the_tensor(tiny_ckpt, tmp_path):
+    directory = _copy_checkpoint(tiny_ckpt, tmp_path)
+    tensors = load_file(directory / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight holds NaN"):
+        load_model(str(directory))
+
+
+def test_broken_tokenizer_names_its_files(tiny_ckpt, tmp_path):
+    directory = _copy_checkpoint(tiny_ckpt, tmp_path)
+    (directory / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Wor')
+    with pytest.raises(ValueError, match=r"cannot read the tokenizer \(.*tokenizer.json"):
+        load_model(str(directory))

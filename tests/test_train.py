@@ -535,6 +535,17 @@ def test_adversarial_variants_are_asked_in_the_next_round(tiny, tmp_path, monkey
     assert [r["id"] for r in kept.records] == calls[1]
 
 
+def test_a_rank_with_no_groups_still_takes_part(tiny, tmp_path):
+    """Dynamic sampling can leave a rank with no informative group: steps 3-5 still run (under
+    DDP its collectives must), with zero-weight stand-ins and no update."""
+    import train
+    run = in_process_run(tmp_path, tiny, "--adv-estimator", "reinforce_baseline", "--mini-batches", "2")
+    empty = rollouts().select([])
+    batch = train.with_old_logprobs(run, train.with_advantages(run, empty))
+    assert batch.advantages == [] and batch.old_logprobs == []
+    assert train.update(run, batch) == ({"empty_updates": 2}, {})
+
+
 def test_nonfinite_update_is_skipped(tiny, tmp_path):
     import train
     run = in_process_run(tmp_path, tiny)
@@ -704,3 +715,101 @@ def test_no_module_imports_train_or_eval_and_none_cites_the_design_notes():
                        for line in text.splitlines()), path.name
     for path in [*ROOT.glob("*.py"), *ROOT.glob("tests/*.py"), ROOT / "README.md"]:
         assert "DESIGN" + ".md" not in path.read_text(), path.name
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input never costs a run, a result or a file
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                                 "group-token-mean"])
+def test_entropy_bonus_trains_under_every_aggregation(tiny, tmp_path, agg):
+    """--entropy-coef used to crash at the first update with loss tokens (a tensor unpacked as
+    a pair), after the step-0 evaluation."""
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    run_train(["--model", model_dir, "--data", data_file, "--steps", "2", "--out", str(out),
+               "--entropy-coef", "0.01", "--loss-agg", agg] + BASE)
+    assert [r["skipped_updates"] for r in metrics(out)] == [0, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def test_damaged_checkpoint_resumes_from_the_one_before(tiny, tmp_path, damage):
+    """The newest checkpoint is damaged (a disk filled up, a copy cut short): --resume warns and
+    goes on from the one before, and the run still ends as a run never stopped."""
+    model_dir, data_file = tiny
+    common = ["--model", model_dir, "--data", data_file, "--checkpoint-every", "1"] + \
+        flags(mini_batches="2")
+    straight = tmp_path / "straight"
+    run_train(common + ["--steps", "4", "--out", str(straight)])
+    damaged = tmp_path / "damaged"
+    run_train(common + ["--steps", "3", "--out", str(damaged)])
+    newest = damaged / "checkpoint.pt"
+    newest.write_bytes(newest.read_bytes()[:newest.stat().st_size // 3] if damage == "truncated" else b"")
+    proc = run_train(["--resume", str(damaged), "--steps", "4"])
+    assert "checkpoint.pt is damaged" in proc.stderr and "resuming from checkpoint-previous.pt" in proc.stderr
+    assert_same_run(straight, damaged)
+    # Both damaged: a clear error, and nothing is started over by surprise.
+    for name in ("checkpoint.pt", "checkpoint-previous.pt"):
+        (damaged / name).write_bytes(b"")
+    proc = run_train(["--resume", str(damaged), "--steps", "5"], check=False)
+    assert proc.returncode != 0 and "no readable checkpoint" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_damaged_config_is_a_clear_error(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text('{"lr": 1e-5, "steps"')
+    proc = run_train(["--resume", str(run_dir)], check=False)
+    assert proc.returncode == 2 and "config.json: damaged" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_second_writer_is_refused(tiny, tmp_path):
+    """A --resume started while the run still goes (or a second run with the same --out) is
+    refused before it touches anything; it used to crash the first run at its checkpoint."""
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--model", model_dir,
+                              "--data", data_file, "--steps", "100000", "--out", str(out)] + BASE,
+                             cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                             start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").exists() and time.time() < deadline:
+            time.sleep(0.1)
+        before = (out / "metrics.jsonl").read_text().count("\n")
+        second = run_train(["--resume", str(out)], check=False, timeout=120)
+        assert second.returncode != 0 and "is being written by train.py, pid" in second.stderr
+        again = run_train(["--model", model_dir, "--data", data_file, "--out", str(out)] + BASE,
+                          check=False, timeout=120)
+        assert again.returncode != 0 and "already exists" in again.stderr
+        assert first.poll() is None  # the first run goes on
+        time.sleep(1)
+        assert (out / "metrics.jsonl").read_text().count("\n") >= before
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    # Its lock went with it: the run can now be resumed.
+    import runs
+    runs.lock(str(out)).close()
+
+
+def test_lock_and_unreadable_log_lines(tmp_path, capsys):
+    import runs
+    held = runs.lock(str(tmp_path))
+    with pytest.raises(runs.RunError, match="is being written by train.py, pid"):
+        runs.lock(str(tmp_path))
+    held.close()
+    runs.lock(str(tmp_path)).close()
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2, garbage\n{"step": 3}\n{"step": 4')
+    runs.trim_log(str(log), 3)
+    assert log.read_text() == '{"step": 1}\n{"step": 3}\n'
+    assert (tmp_path / "metrics.jsonl.unreadable").read_text() == '{"step": 2, garbage\n{"step": 4\n'
+    assert "2 unreadable line(s)" in capsys.readouterr().err

@@ -1,0 +1,112 @@
+"""Every numeric flag of train.py and eval.py with 0, -1, NaN and inf (and the out-of-range values
+that once cost a run): each is either meaningful (the table below says what it means) or a usage
+error that names the flag, exit code 2, before any model is loaded."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import config  # noqa: E402
+import eval as ev  # noqa: E402
+
+VALUES = ["0", "-1", "nan", "inf"]
+
+# (flag, value) pairs that mean something, and what. Every other pair must be refused.
+TRAIN_MEANINGFUL = {
+    ("--seed", "0"): "seed 0",
+    ("--time-limit", "0"): "no time limit",
+    ("--checkpoint-every", "0"): "checkpoints by time only",
+    ("--lora-rank", "0"): "full fine-tuning",
+    ("--eval-every", "0"): "held-out accuracy before and after only",
+    ("--curriculum", "0"): "no curriculum",
+    ("--max-refills", "0"): "no refill rounds",
+    ("--correct-reward", "0"): "right answers score 0 (above the default -1 of wrong ones)",
+    ("--wrong-reward", "0"): "wrong answers score 0 (the 1/0 reward)",
+    ("--wrong-reward", "-1"): "DAPO's -1",
+    ("--format-weight", "0"): "format terms logged, not added",
+    ("--ppl-threshold", "0"): "any perplexity above 1 is penalised",
+    ("--efficiency-weight", "0"): "no efficiency bonus",
+    ("--eps-low", "0"): "no room below ratio 1",
+    ("--eps-high", "0"): "no room above ratio 1",
+    ("--tis-cap", "0"): "no truncated importance sampling",
+    ("--entropy-coef", "0"): "no entropy bonus",
+    ("--kl-coef", "0"): "no KL term",
+    ("--gkl-alpha", "0"): "GKL without its KL part",
+    ("--gkl-beta", "0"): "GKL without its wMSE part",
+    ("--warmup-steps", "0"): "no warm-up",
+    ("--weight-decay", "0"): "no weight decay",
+}
+# Values once accepted that cost a run or a result (the issue's list), beyond 0 / -1 / nan / inf.
+TRAIN_EXTRA = [("--eps-low", "2"), ("--clip-c", "0.5"), ("--curriculum", "1.5"),
+               ("--top-p", "1.5"), ("--tis-cap", "0.5"), ("--overlong-cache", "2.5"),
+               ("--overlong-cache", "65"), ("--mini-batches", "17"), ("--samples", "1"),
+               ("--correct-reward", "-2")]
+
+EVAL_MEANINGFUL = {
+    ("--temperature", "0"): "greedy",
+    ("--top-k", "0"): "every token",
+    ("--seed", "0"): "seed 0",
+}
+
+
+def numeric_flags(parser):
+    """Flags whose value is a number: type int or float, or eval.py's checking parsers."""
+    return [a.option_strings[0] for a in parser._actions if a.option_strings and
+            (a.type in (int, float) or getattr(a.type, "__name__", "") == "parse")]
+
+
+def train_cases():
+    flags = numeric_flags(config.build_parser())
+    assert {"--grad-clip", "--lr", "--steps", "--tis-cap", "--overlong-cache"} <= set(flags)
+    return [(flag, value) for flag in flags for value in VALUES] + TRAIN_EXTRA
+
+
+@pytest.mark.parametrize("flag, value", train_cases())
+def test_train_numeric_flags(flag, value, capsys):
+    argv = ["--model", "x", "--prompts-per-step", "2", "--samples", "8", flag, value]
+    if (flag, value) in TRAIN_MEANINGFUL:
+        args, _ = config.parse_config(argv)
+        assert getattr(args, flag[2:].replace("-", "_")) == float(value)
+        return
+    with pytest.raises(SystemExit) as error:
+        config.parse_config(argv)
+    err = capsys.readouterr().err
+    assert error.value.code == 2 and flag in err, err
+    assert len(err.strip().splitlines()) == 2  # the short usage line, then the error
+
+
+def eval_cases():
+    flags = numeric_flags(ev.build_parser())
+    assert {"--temperature", "--top-p", "--k", "--limit", "--seed"} <= set(flags)
+    return [(flag, value) for flag in flags for value in VALUES]
+
+
+@pytest.mark.parametrize("flag, value", eval_cases())
+def test_eval_numeric_flags(flag, value, capsys, tmp_path):
+    argv = ["--data", "arithmetic", "--out", str(tmp_path / "out.jsonl"), flag, value]
+    if (flag, value) in EVAL_MEANINGFUL:
+        _, args = ev.parse_args(argv)
+        assert getattr(args, flag[2:].replace("-", "_")) == float(value)
+        return
+    with pytest.raises(SystemExit) as error:
+        ev.parse_args(argv)
+    err = capsys.readouterr().err
+    assert error.value.code == 2 and flag in err, err
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("train.py", ["--grad-clip", "nan"]),
+    ("train.py", ["--lr", "inf"]),
+    ("train.py", ["--temperat", "0.5"]),
+    ("eval.py", ["--temperature", "inf"]),
+])
+def test_a_bad_flag_is_one_clear_line_before_any_work(script, argv):
+    proc = subprocess.run([sys.executable, str(ROOT / script)] + argv, capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert argv[0] in proc.stderr and len(proc.stderr.strip().splitlines()) == 2, proc.stderr
