@@ -49,7 +49,9 @@ prompt, answer, responses, extracted answers, correct flags, lengths, finish rea
 answer) written atomically (temporary file, then rename) to --out, by default
 `eval-<data>-<YYYYmmdd-HHMMSS>.jsonl` in the current directory; and stdout ends with exactly one
 JSON line: model, data, n, k, pass@1, avg@k, pass@k, maj@k, temperature, mean_length, truncated,
-seconds, out, and the other settings.
+seconds, out, and the other settings. --out is checked before any work: never the --data file,
+an existing file only with --overwrite, a folder that can be written. If the results still cannot
+be written at the end, the summary line comes out all the same (with "out": null), exit code 1.
 
 Tests: python -m pytest tests/test_eval.py -q   (add `-m "not slow"` to skip the bundled-model run)
 """
