@@ -183,6 +183,9 @@ def parse_config(argv=None):
     explicit = {a.dest for a in parser._actions for opt in a.option_strings
                 if any(x == opt or x.startswith(opt + "=") for x in argv)}
     if args.resume:
+        if "preset" in explicit:
+            parser.error("--preset with --resume: a resumed run keeps its own flags (config.json); "
+                         "change single flags instead")
         saved = read_saved_config(args.resume, parser)
     else:
         saved = dict(dapo.PRESETS[args.preset])
@@ -225,11 +228,21 @@ OTHER_FLOATS = ["correct_reward", "wrong_reward", "eps_low", "clip_c", "top_p", 
 
 
 def check_config(args, parser):
+    """Every value, whether from a flag, a preset or a resumed run's config.json: first its type
+    (and choices), then its range, then the combinations that would silently do nothing."""
     def fail(key, rule):
         parser.error(f"--{key.replace('_', '-')} must be {rule}, got {getattr(args, key)!r}")
 
-    for key in POSITIVE_INTS + NONNEGATIVE_INTS:
-        value, low = getattr(args, key), 1 if key in POSITIVE_INTS else 0
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.choices is not None and value not in action.choices and \
+                not (value is None and action.default is None):  # e.g. --template: set later
+            fail(action.dest, f"one of {', '.join(map(str, action.choices))}")
+        if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)) \
+                and not isinstance(value, bool):
+            fail(action.dest, "true or false")
+    for key in POSITIVE_INTS + NONNEGATIVE_INTS + ["samples"]:
+        value, low = getattr(args, key), 0 if key in NONNEGATIVE_INTS else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             fail(key, f"an integer >= {low}")
     for key in POSITIVE_FLOATS + NONNEGATIVE_FLOATS + OTHER_FLOATS:
@@ -243,24 +256,33 @@ def check_config(args, parser):
     for key in NONNEGATIVE_FLOATS:
         if getattr(args, key) < 0:
             fail(key, ">= 0")
-    rules = [("eps_low", args.eps_low < 1 and args.eps_low >= 0, "in [0, 1)"),
-             ("clip_c", args.clip_c is None or args.clip_c > 1, "> 1 (dual-clip) or unset"),
-             ("top_p", 0 < args.top_p <= 1, "in (0, 1]"),
-             ("curriculum", 0 <= args.curriculum <= 1, "in [0, 1] (0 = off)"),
-             ("tis_cap", args.tis_cap == 0 or args.tis_cap >= 1, "0 (off) or >= 1"),
-             ("correct_reward", args.correct_reward > args.wrong_reward, "> --wrong-reward"),
-             ("samples", isinstance(args.samples, int) and args.samples >= 2,
-              "an integer >= 2 (a group needs two answers to compare)"),
-             ("overlong_cache", args.overlong_cache < 1 or (
-                 args.overlong_cache == int(args.overlong_cache) and args.overlong_cache <= args.max_new_tokens),
-              "a fraction < 1 of --max-new-tokens, or a whole number of tokens <= it"),
-             ("mini_batches", args.mini_batches <= args.prompts_per_step * args.samples,
-              "<= the samples of a step (--prompts-per-step x --samples)")]
-    for key, ok, rule in rules:
+    for key, ok, rule in range_rules(args):
         if not ok:
             fail(key, rule)
+    refills = args.dynamic_sampling and args.max_refills > 0
+    for key in ("adversarial", "keep_surplus"):  # both act in refill rounds only
+        if getattr(args, key) and not refills:
+            parser.error(f"--{key.replace('_', '-')} acts in refill rounds: it needs "
+                         f"--dynamic-sampling and --max-refills >= 1 (got {args.max_refills})")
     if args.ref == "lora-off" and args.lora_rank == 0 and (args.kl != "none" or args.algo == "dpo"):
         parser.error("--ref lora-off needs --lora-rank > 0")
+
+
+def range_rules(args):
+    """(flag, holds, what it must be) for the flags whose range is not just > 0 or >= 0."""
+    return [("eps_low", 0 <= args.eps_low < 1, "in [0, 1)"),
+            ("clip_c", args.clip_c is None or args.clip_c > 1, "> 1 (dual-clip) or unset"),
+            ("top_p", 0 < args.top_p <= 1, "in (0, 1]"),
+            ("curriculum", 0 <= args.curriculum <= 1, "in [0, 1] (0 = off)"),
+            ("tis_cap", args.tis_cap == 0 or args.tis_cap >= 1, "0 (off) or >= 1"),
+            ("correct_reward", args.correct_reward > args.wrong_reward, "> --wrong-reward"),
+            ("samples", args.samples >= 2, "at least 2 (a group needs two answers to compare)"),
+            ("overlong_cache", args.overlong_cache < 1 or (
+                args.overlong_cache == int(args.overlong_cache)
+                and args.overlong_cache <= args.max_new_tokens),
+             "a fraction < 1 of --max-new-tokens, or a whole number of tokens <= it"),
+            ("mini_batches", args.mini_batches <= args.prompts_per_step * args.samples,
+             "<= the samples of a step (--prompts-per-step x --samples)")]
 
 
 def overlong_cache_tokens(args):

@@ -24,6 +24,7 @@ import os
 import random
 import socket
 import sys
+import tempfile
 import time
 
 import torch
@@ -35,15 +36,30 @@ class RunError(ValueError):
     """A run directory that cannot be used as asked; the message says which file and why."""
 
 
+def check_new(run_dir):
+    """RunError now, before any work, if run_dir exists or could not be made."""
+    if os.path.exists(run_dir):
+        raise RunError(f"--out {run_dir} already exists; use --resume {run_dir} or a new --out")
+    parent = os.path.dirname(os.path.abspath(run_dir))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tempfile.TemporaryDirectory(dir=parent).cleanup()
+    except OSError as error:
+        raise RunError(f"--out {run_dir}: cannot make it in {parent}: {error.strerror or error}") \
+            from None
+
+
 def create(run_dir):
     """A new, empty run directory; RunError if it exists (the check and the creation are one
     step, so two runs started with the same --out cannot both get it)."""
-    os.makedirs(os.path.dirname(os.path.abspath(run_dir)), exist_ok=True)
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(run_dir)), exist_ok=True)
         os.mkdir(run_dir)
     except FileExistsError:
         raise RunError(f"--out {run_dir} already exists; use --resume {run_dir} or a new --out") \
             from None
+    except OSError as error:
+        raise RunError(f"--out {run_dir}: cannot make it: {error.strerror or error}") from None
 
 
 def lock(run_dir):
@@ -68,9 +84,11 @@ def lock(run_dir):
 
 
 def write_config(run_dir, config):
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
+    """config.json, atomically (a resumed run rewrites it with the flags it was given)."""
+    path = os.path.join(run_dir, "config.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(config, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def read_config(run_dir):
@@ -94,11 +112,17 @@ def append_line(path, row):
 
 
 def read_lines(path):
-    """The JSON objects of a .jsonl log, [] when it does not exist."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The JSON objects of a .jsonl log ([] when it does not exist); unreadable lines are skipped
+    (trim_log keeps them aside on resume)."""
+    rows = []
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            for raw in f:
+                try:
+                    rows.append(json.loads(raw.decode("utf-8")))
+                except ValueError:
+                    pass
+    return rows
 
 
 def trim_log(path, step):
@@ -151,9 +175,10 @@ def load_checkpoint(run_dir):
         except Exception as error:  # truncated, empty, not a checkpoint
             problems.append(f"{name} is damaged ({type(error).__name__}: {str(error)[:200]})")
             continue
-        if problems:
-            print(f"train.py: warning: {'; '.join(problems)}; resuming from {name} instead",
-                  file=sys.stderr)
+        if problems:  # the damaged newest is set aside, so that the next save cannot keep it
+            os.replace(os.path.join(run_dir, CHECKPOINT), os.path.join(run_dir, CHECKPOINT + ".damaged"))
+            print(f"train.py: warning: {'; '.join(problems)} (kept as {CHECKPOINT}.damaged); "
+                  f"resuming from {name} instead", file=sys.stderr)
         return state
     if problems:
         raise RunError(f"{run_dir}: no readable checkpoint: {'; '.join(problems)}")
@@ -189,6 +214,8 @@ def plot(run_dir):
         sys.exit("train.py: --plot needs matplotlib (pip install matplotlib)")
     rows = read_lines(os.path.join(run_dir, "metrics.jsonl"))
     evals = read_lines(os.path.join(run_dir, "eval.jsonl"))
+    if not rows:
+        sys.exit(f"train.py: --plot {run_dir}: no metrics.jsonl with a readable line there")
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["train_seconds"] / 60 for r in rows], [r["accuracy"] for r in rows], ".", alpha=0.5,
             label="training samples")

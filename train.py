@@ -12,7 +12,8 @@
 DAPO (Yu et al. 2025, arXiv 2503.14476) is GRPO (Shao et al. 2024, arXiv 2402.03300) with a rule
 reward (eq. 7), no KL term, and four changes, numbered as in dapo.py (the paper's order):
   1. Clip-higher (eq. 10): eps_low 0.2, eps_high 0.28. The ratio leaves 1 only after the first of
-     the mu updates of a step, so this acts only with --mini-batches > 1 (the paper takes 16).
+     the mu updates of a step (or on groups carried off-policy), so this acts only with
+     --mini-batches > 1 (the paper takes 16).
   2. Dynamic sampling (eq. 11): drop the groups whose G answers are all right or all wrong, and
      sample more prompts until the batch is full or --max-refills rounds are spent.
   3. Token-level loss (eq. 12): divide by the number of tokens of the whole mini-batch.
@@ -109,7 +110,7 @@ class Rollouts:
                            for f in dataclasses.fields(Rollouts)})
 
 
-# One completion of one token, for micro-batches that carry no loss (masked out by pack's caller).
+# One completion of one token, for micro-batches that carry no loss (policy_micro_batches masks it).
 STAND_IN = Rollouts(records=[{}], group_sizes=[1], prompts=[[0]], tokens=[[0]],
                     sampler_logprobs=[[0.0]], truncated=[False], rewards=[0.0], correct=[False],
                     reward_parts=[{}], stale=[True], advantages=[0.0], old_logprobs=[None])
@@ -180,7 +181,8 @@ def train_step(run, progress):
     progress = replace(progress, step=progress.step + 1, updates=row["updates"],
                        train_seconds=progress.train_seconds + end - start, accuracy_ema=ema,
                        skipped_updates=row["skipped_updates_total"], carry=surplus,
-                       prompt_accuracy=shared_prompt_accuracy(run, progress, sampled))
+                       prompt_accuracy=shared_prompt_accuracy(run, progress, sampled)
+                       if args.adaptive_budget else {})
     row["train_seconds"] = progress.train_seconds
     return progress, row
 
@@ -244,9 +246,11 @@ def collect_rollouts(run, progress):
             break
         # The adversarial variants of the last round's signal-less prompts first, then fresh ones.
         records = requests + (next(run.stream)[:want - len(requests)] if len(requests) < want else [])
-        first = run.stream.step * args.prompts_per_step + run.rank * want  # a global position
+        # A seed per prompt from its position, unique over ranks: without refills the samples do
+        # not depend on the number of ranks.
+        first = run.stream.step * args.prompts_per_step + run.rank * want
         seeds = [random.Random(f"{args.seed}:{progress.step}:{round_index}:{first + i}").getrandbits(62)
-                 for i in range(len(records))]  # per prompt: samples do not depend on world size
+                 for i in range(len(records))]
         counts = [args.samples] * len(records)
         if args.adaptive_budget:
             counts = dapo.adaptive_num_samples([progress.prompt_accuracy.get(r["id"]) for r in records],
@@ -270,13 +274,15 @@ def collect_rollouts(run, progress):
 
 
 def adversarial_variants(run, batch):
-    """The harder (all right) or hinted (all wrong) variants of a round's signal-less prompts."""
+    """The harder (all right) or hinted (all wrong) variants of a round's signal-less prompts,
+    those that still fit the prompt budget (a hint or a distractor makes a prompt longer)."""
+    budget = run.policy.config.max_seq_len - run.args.max_new_tokens
     variants = []
     for g, how in dapo.adversarial_requests(batch.correct, batch.group_sizes):
         record = batch.records[g]
         variant = data.harder_variant(record, run.variant_rng) if how == "harder" \
             else data.hint_variant(record)
-        if variant is not None:
+        if variant is not None and len(data.format_prompt(variant, run.tokenizer, run.args.template)) <= budget:
             variants.append(variant)
     return variants
 
@@ -320,56 +326,61 @@ def with_old_logprobs(run, batch):
 def update(run, batch):
     """Step 5: --mini-batches optimizer updates, each on the next 1/mu of this rank's samples
     (or DPO pairs). -> (named sums, named maxima) over the updates"""
-    args = run.args
-    units = dpo_pairs(run, batch) if args.algo == "dpo" else list(range(len(batch.tokens)))
-    size = math.ceil(len(units) / args.mini_batches)
+    args, mu = run.args, run.args.mini_batches
+    units = preference_pairs(run, batch) if args.algo == "dpo" else list(range(len(batch.tokens)))
+    # The prompts' ids over all ranks, for the per-prompt aggregation: this rank's come after the
+    # groups of the ranks before it.
+    first_group = sum(gather(batch.num_groups, run.world)[:run.rank]) \
+        if args.loss_agg == "group-token-mean" else None
     sums, maxima = {}, {}
-    for m in range(args.mini_batches):
-        part = units[m * size:(m + 1) * size]
+    for m in range(mu):  # mu parts whose sizes differ by one at most
+        part = units[m * len(units) // mu:(m + 1) * len(units) // mu]
         step_sums, step_maxima = dpo_update(run, batch, part) if args.algo == "dpo" \
-            else policy_gradient_update(run, batch, part)
+            else policy_gradient_update(run, batch, part, first_group)
         sums, maxima = add(sums, step_sums), top(maxima, step_maxima)
     return sums, maxima
 
 
-def policy_gradient_update(run, batch, rows):
+def policy_gradient_update(run, batch, rows, first_group=None):
     """One update on the mini-batch `rows`: the token counts of the whole mini-batch, over all
-    ranks, are every micro-batch's divisors, so the update is exactly one device's (change 3)."""
-    micro = policy_micro_batches(run, batch, rows)
-    divisors = losses.micro_batch_divisors([mb["mask"] for mb in micro],
-                                           [mb["group_ids"] for mb in micro],
-                                           max_tokens=run.args.max_new_tokens,
-                                           distributed=run.world > 1)
+    ranks, are every micro-batch's divisors, so the update is exactly one device's (change 3).
+    first_group: this rank's first prompt id over all ranks (only the per-prompt mean needs it)."""
+    micro = policy_micro_batches(run, batch, rows, first_group or 0)
+    divisors = losses.micro_batch_divisors(
+        [mb["mask"] for mb in micro],
+        [mb["group_ids"] for mb in micro] if first_group is not None else None,
+        max_tokens=run.args.max_new_tokens, distributed=run.world > 1)
     if int(divisors[0]["num_tokens"]) == 0:  # no loss token on any rank: nothing to learn
         return {"empty_updates": 1}, {}
     micro = [{**mb, "divisors": d} for mb, d in zip(micro, divisors)]
     return optimizer_update(run, micro, policy_gradient_loss)
 
 
-def policy_micro_batches(run, batch, rows):
+def policy_micro_batches(run, batch, rows, first_group):
     """The mini-batch `rows` of `batch` as tensors, micro-batch by micro-batch."""
-    size, group, device = run.args.micro_batch_size, batch.group_index(), run.args.device
+    size, device = run.args.micro_batch_size, run.args.device
+    group = [first_group + g for g in batch.group_index()]  # prompt ids over all ranks
     out = []
     for k in range(micro_batch_count(len(rows), size)):
         part = rows[k * size:(k + 1) * size]
-        if not part:  # this rank has fewer micro-batches than another: a zero-weight stand-in
-            part, batch, group = [0], STAND_IN, [0]
-        ids, attn, mask, start = pack([batch.prompts[i] for i in part],
-                                      [batch.tokens[i] for i in part], device)
+        # A rank with fewer micro-batches than another runs zero-weight stand-ins.
+        rollouts, part = (batch, part) if part else (STAND_IN, [0])
+        ids, attn, mask, start = pack([rollouts.prompts[i] for i in part],
+                                      [rollouts.tokens[i] for i in part], device)
         # change 4, overlong filtering: truncated completions carry no loss
-        keep = [batch is not STAND_IN and not (run.args.overlong_filter and batch.truncated[i])
+        keep = [rollouts is not STAND_IN and not (run.args.overlong_filter and rollouts.truncated[i])
                 for i in part]
-        old = [batch.old_logprobs[i] for i in part]
+        old = [rollouts.old_logprobs[i] for i in part]
         out.append({
             "ids": ids, "attn": attn, "start": start,
-            "mask": mask * torch.tensor(keep, device=device)[:, None],                   # (b, C)
-            "advantages": torch.tensor([batch.advantages[i] for i in part], device=device),  # (b,)
-            "old": pad_rows([o or [] for o in old], mask.shape[1], device),              # (b, C)
-            "has_old": torch.tensor([o is not None for o in old], device=device),         # (b,)
-            "sampler": pad_rows([batch.sampler_logprobs[i] for i in part], mask.shape[1], device),
-            "fresh": torch.tensor([not batch.stale[i] for i in part], device=device),     # (b,)
-            "group_ids": torch.tensor([run.rank * 100_000 + group[i] for i in part],    # global ids,
-                                      device=device)})                                   # (b,)
+            "mask": mask * torch.tensor(keep, device=device)[:, None],                       # (b, C)
+            "advantages": torch.tensor([rollouts.advantages[i] for i in part], device=device),  # (b,)
+            "old": pad_rows([o or [] for o in old], mask.shape[1], device),                  # (b, C)
+            "has_old": torch.tensor([o is not None for o in old], device=device),             # (b,)
+            "sampler": pad_rows([rollouts.sampler_logprobs[i] for i in part], mask.shape[1], device),
+            "fresh": torch.tensor([not rollouts.stale[i] for i in part], device=device),      # (b,)
+            "group_ids": torch.tensor([group[i] if rollouts is batch else 0 for i in part],
+                                      device=device)})                                       # (b,)
     return out
 
 
@@ -441,7 +452,7 @@ def gkl_of_hidden(hidden, ref_hidden, weight, ref_weight, settings):
                                 **settings)[0]
 
 
-def dpo_pairs(run, batch):
+def preference_pairs(run, batch):
     """(chosen, rejected, (start, end) of each) from correct-vs-wrong completions of a prompt;
     Step-DPO keeps the loss on the first line where the two part ways."""
     if run.args.dpo_pairs == "step":
@@ -700,8 +711,11 @@ def setup(args):
     args.device = device
     args.out = args.resume or args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     writes = rank == 0 and not args.bench
-    if writes and not args.resume and os.path.exists(args.out):  # (said again at creation)
-        sys.exit(f"train.py: --out {args.out} already exists; use --resume {args.out} or a new --out")
+    if writes and not args.resume:  # a bad --out fails now, not after loading (checked again later)
+        try:
+            runs.check_new(args.out)
+        except runs.RunError as error:
+            sys.exit(f"train.py: {error}")
     run_lock = claim_run_directory(args) if writes and args.resume else None  # before any work
     if args.prompts_per_step % world:
         sys.exit(f"train.py: --prompts-per-step {args.prompts_per_step} must be a multiple of the "
@@ -799,7 +813,7 @@ def describe(run):
 
 def lr_at(step, args):
     """Learning rate of training step `step` (0-based), shared by its mu updates: linear warm-up
-    over --warmup-steps, then constant (DAPO) or cosine down to 10% at --steps."""
+    over --warmup-steps, then constant (DAPO) or a cosine decay that would reach 10% at --steps."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
     if args.lr_schedule == "constant":
@@ -902,11 +916,12 @@ def load_checkpoint(run):
 
 
 def open_run_directory(run, progress):
-    """config.json for a new run; on resume, the log lines written after the checkpoint go (the
-    steps after it run again), the step-0 evaluation too if no checkpoint was written yet."""
+    """config.json (on resume too: the flags given then, e.g. more --steps, hold for the next
+    resume); on resume, the log lines written after the checkpoint go (the steps after it run
+    again), the step-0 evaluation too if no checkpoint was written yet."""
     args = run.args
-    if not args.resume:
-        runs.write_config(args.out, {k: v for k, v in vars(args).items() if k != "device"})
+    runs.write_config(args.out, {k: v for k, v in vars(args).items()
+                                 if k not in ("device", "resume", "bench", "plot")})
     runs.trim_log(os.path.join(args.out, "metrics.jsonl"), progress.step)
     runs.trim_log(os.path.join(args.out, "eval.jsonl"), progress.step if progress.step else -1)
 

@@ -399,22 +399,17 @@ def test_ddp_two_ranks_equal_one_process(tiny, tmp_path, variant):
 
 @pytest.mark.slow
 def test_ddp_prompt_accuracies_are_shared(tiny, tmp_path):
-    """The per-prompt accuracy table (what the adaptive budget reads) holds every rank's prompts:
-    the same table as one process builds from the same samples (each rank used to keep its own).
-    (Without --adaptive-budget, whose split of samples over a rank's prompts depends on the rank.)"""
+    """The adaptive budget's per-prompt accuracy table holds every rank's prompts, as the table
+    of one process does (each rank used to keep its own, and prompts move between ranks)."""
     model_dir, data_file = tiny
-    # No refills (they differ by rank) and one update a step (Adam makes 1e-7 differences in the
-    # gradient sum visible after many updates, and the samples drift apart).
     common = ["--model", model_dir, "--data", data_file, "--steps", "2", "--seed", "5",
-              "--no-dynamic-sampling"] + flags(prompts_per_step="8", mini_batches="1")
+              "--adaptive-budget", "--no-dynamic-sampling"] + flags(prompts_per_step="8")
     tables = []
     for name, launcher in (("one", None), ("two", torchrun())):
         run_train(common + ["--out", str(tmp_path / name)], launcher=launcher)
         tables.append(torch.load(tmp_path / name / "checkpoint.pt",
                                  weights_only=True)["progress"]["prompt_accuracy"])
     assert len(tables[0]) > 8 and tables[0].keys() == tables[1].keys()
-    for key in tables[0]:
-        assert tables[0][key] == pytest.approx(tables[1][key]), key
 
 
 @pytest.mark.slow
@@ -751,6 +746,9 @@ def test_damaged_checkpoint_resumes_from_the_one_before(tiny, tmp_path, damage):
     proc = run_train(["--resume", str(damaged), "--steps", "4"])
     assert "checkpoint.pt is damaged" in proc.stderr and "resuming from checkpoint-previous.pt" in proc.stderr
     assert_same_run(straight, damaged)
+    # The damaged file was set aside: the saves after the resume did not keep it as a fallback.
+    assert (damaged / "checkpoint.pt.damaged").exists()
+    assert torch.load(damaged / "checkpoint-previous.pt", weights_only=True)["progress"]["step"] == 3
     # Both damaged: a clear error, and nothing is started over by surprise.
     for name in ("checkpoint.pt", "checkpoint-previous.pt"):
         (damaged / name).write_bytes(b"")
@@ -813,3 +811,77 @@ def test_lock_and_unreadable_log_lines(tmp_path, capsys):
     assert log.read_text() == '{"step": 1}\n{"step": 3}\n'
     assert (tmp_path / "metrics.jsonl.unreadable").read_text() == '{"step": 2, garbage\n{"step": 4\n'
     assert "2 unreadable line(s)" in capsys.readouterr().err
+
+
+def test_resume_keeps_the_flags_it_was_given(tiny, tmp_path, capsys):
+    """`--resume R --steps N` is written back to config.json (a later plain --resume used to
+    fall back to the first run's --steps and write final/ early); --preset with --resume and a
+    damaged value in config.json are refused, before any work."""
+    import config
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    run_train(["--model", model_dir, "--data", data_file, "--steps", "1", "--out", str(out)] + BASE)
+    run_train(["--resume", str(out), "--steps", "2"])
+    assert json.loads((out / "config.json").read_text())["steps"] == 2
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+    with pytest.raises(SystemExit):
+        config.parse_config(["--resume", str(out), "--preset", "grpo"])
+    assert "--preset with --resume" in capsys.readouterr().err
+    for key, value in (("adv_estimator", "foo"), ("samples", "8"), ("dynamic_sampling", "yes")):
+        saved = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**saved, key: value}))
+        with pytest.raises(SystemExit) as error:
+            config.parse_config(["--resume", str(out)])
+        assert error.value.code == 2 and "--" + key.replace("_", "-") in capsys.readouterr().err
+        (out / "config.json").write_text(json.dumps(saved))
+
+
+def test_a_bad_out_or_an_inert_flag_fails_before_any_work(tiny, tmp_path, capsys):
+    import config
+    model_dir, data_file = tiny
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    proc = run_train(["--model", model_dir, "--data", data_file, "--out", str(a_file / "run")]
+                     + BASE, check=False)
+    assert proc.returncode != 0 and "cannot make it" in proc.stderr and "Traceback" not in proc.stderr
+    # Adversarial variants and surplus groups live in refill rounds: without them the flag
+    # would change nothing (as --adversarial did under the CPU defaults, which have no refill).
+    for argv in (["--adversarial"], ["--keep-surplus"], ["--model", "x", "--adversarial",
+                                                         "--no-dynamic-sampling"]):
+        with pytest.raises(SystemExit):
+            config.parse_config(argv)
+        assert "acts in refill rounds" in capsys.readouterr().err
+    config.parse_config(["--adversarial", "--max-refills", "2"])
+
+
+def test_variants_that_outgrow_the_prompt_budget_are_dropped(tiny, tmp_path):
+    import train
+    run = in_process_run(tmp_path, tiny, "--template", "none", "--max-new-tokens", "40",
+                         "--dynamic-sampling", "--max-refills", "1", "--adversarial")
+    hints = ["t " * 3, "t " * 40]  # the second makes the hinted prompt longer than 64 - 40
+    batch = rollouts(records=[{"id": "a", "prompt": "What is 1 + 1 ?", "answer": "2", "hint": h}
+                              for h in hints], correct=[False] * 4)
+    variants = train.adversarial_variants(run, batch)
+    assert [v["variant"] for v in variants] == ["hint"] and variants[0]["prompt"].endswith("t t t ")
+
+
+def test_mini_batches_split_evenly(tiny, tmp_path):
+    """mu parts whose sizes differ by one at most: 4 samples in 3 updates are 1 + 1 + 2, not
+    2 + 2 + an empty update."""
+    import train
+    run = in_process_run(tmp_path, tiny, "--mini-batches", "3")
+    batch = rollouts(advantages=[1.0, -1.0, -1.0, 1.0], old_logprobs=[None] * 4)
+    sums, _ = train.update(run, batch)
+    assert sums["updates"] == 3 and "empty_updates" not in sums
+
+
+def test_plot_reads_a_torn_log_and_names_a_missing_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    import runs
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "train_seconds": 6, "accuracy": 0.5}\n{"step": 2, "tr')
+    runs.plot(str(run_dir))
+    assert (run_dir / "curve.png").exists()
+    with pytest.raises(SystemExit, match="no metrics.jsonl"):
+        runs.plot(str(tmp_path / "nope"))
