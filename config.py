@@ -64,12 +64,17 @@ def run_flags(g):
     g.add_argument("--time-limit", type=float, default=20.0,
                    help="minutes of training (evaluation excluded); 0 = no limit")
     g.add_argument("--bench", action="store_true", help="time a few steps and exit")
-    g.add_argument("--plot", metavar="RUN_DIR", default=None,
-                   help="only draw RUN_DIR/curve.png from its metrics (needs matplotlib)")
+    g.add_argument("--plot", metavar="RUN_DIR", nargs="+", default=None,
+                   help="only draw RUN_DIR/curve.png; with several run directories, compare them "
+                        "(comparison.png and a markdown table; needs matplotlib)")
     g.add_argument("--checkpoint-minutes", type=float, default=5.0,
                    help="minutes between checkpoints (one is also written at the end)")
     g.add_argument("--checkpoint-every", type=int, default=0,
                    help="also checkpoint every N steps (0 = by time only)")
+    g.add_argument("--log-samples", type=int, default=4,
+                   help="completions written to samples.jsonl each step, with their rewards")
+    g.add_argument("--label", default=None,
+                   help="this run's name in --plot comparisons (default: its preset)")
 
 def model_flags(g):
     g.add_argument("--model", default=None,
@@ -95,6 +100,10 @@ def data_flags(g):
     g.add_argument("--eval-limit", type=int, default=200, help="held-out problems per evaluation")
     g.add_argument("--eval-every", type=int, default=5, help="steps between held-out "
                    "evaluations (0 = before and after only)")
+    g.add_argument("--eval-samples", type=int, default=0,
+                   help="also avg@k of this many samples per held-out problem (0 = greedy only)")
+    g.add_argument("--eval-temperature", type=float, default=1.0, help="temperature of avg@k")
+    g.add_argument("--eval-top-p", type=float, default=0.7, help="top-p of avg@k (DAPO: 0.7)")
     g.add_argument("--curriculum", type=float, default=0.75,
                    help="arithmetic: raise the difficulty when the training accuracy (moving "
                         "average) passes this (0 = never)")
@@ -217,14 +226,15 @@ def read_saved_config(run_dir, parser):
 POSITIVE_INTS = ["steps", "eval_limit", "prompts_per_step", "max_new_tokens", "mini_batches",
                  "micro_batch_size"]
 NONNEGATIVE_INTS = ["seed", "checkpoint_every", "lora_rank", "eval_every", "max_refills",
-                    "warmup_steps"]
-POSITIVE_FLOATS = ["checkpoint_minutes", "lora_alpha", "temperature", "overlong_cache",
+                    "warmup_steps", "eval_samples", "log_samples"]
+POSITIVE_FLOATS = ["checkpoint_minutes", "lora_alpha", "temperature", "overlong_cache", "eval_temperature",
                    "ppl_window", "gkl_gamma", "gkl_temperature", "gkl_weight_temperature",
                    "dpo_beta", "lr", "grad_clip"]
 NONNEGATIVE_FLOATS = ["time_limit", "format_weight", "ppl_threshold", "efficiency_weight",
                       "eps_high", "entropy_coef", "kl_coef", "gkl_alpha", "gkl_beta",
                       "weight_decay", "tis_cap"]
-OTHER_FLOATS = ["correct_reward", "wrong_reward", "eps_low", "clip_c", "top_p", "curriculum"]
+OTHER_FLOATS = ["correct_reward", "wrong_reward", "eps_low", "clip_c", "top_p", "eval_top_p",
+                "curriculum"]
 
 
 def check_config(args, parser):
@@ -273,6 +283,7 @@ def range_rules(args):
     return [("eps_low", 0 <= args.eps_low < 1, "in [0, 1)"),
             ("clip_c", args.clip_c is None or args.clip_c > 1, "> 1 (dual-clip) or unset"),
             ("top_p", 0 < args.top_p <= 1, "in (0, 1]"),
+            ("eval_top_p", 0 < args.eval_top_p <= 1, "in (0, 1]"),
             ("curriculum", 0 <= args.curriculum <= 1, "in [0, 1] (0 = off)"),
             ("tis_cap", args.tis_cap == 0 or args.tis_cap >= 1, "0 (off) or >= 1"),
             ("correct_reward", args.correct_reward > args.wrong_reward, "> --wrong-reward"),

@@ -20,6 +20,7 @@ standard library.
 
 import fcntl
 import json
+import math
 import os
 import random
 import socket
@@ -204,19 +205,17 @@ def as_random_state(state):
     return tuple(tuple(x) if isinstance(x, list) else x for x in state)
 
 
-def plot(run_dir):
-    """Learning curve of a run directory -> run_dir/curve.png (needs matplotlib, optional)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        sys.exit("train.py: --plot needs matplotlib (pip install matplotlib)")
+def plot(run_dirs):
+    """One run: its learning curve, RUN_DIR/curve.png. Several: `compare`."""
+    if len(run_dirs) > 1:
+        return compare(run_dirs)
+    pyplot = _pyplot()
+    run_dir = run_dirs[0]
     rows = read_lines(os.path.join(run_dir, "metrics.jsonl"))
     evals = read_lines(os.path.join(run_dir, "eval.jsonl"))
     if not rows:
         sys.exit(f"train.py: --plot {run_dir}: no metrics.jsonl with a readable line there")
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot.subplots(figsize=(7, 4))
     ax.plot([r["train_seconds"] / 60 for r in rows], [r["accuracy"] for r in rows], ".", alpha=0.5,
             label="training samples")
     ax.plot([e["train_seconds"] / 60 for e in evals], [e["pass@1"] for e in evals], "o-",
@@ -231,3 +230,103 @@ def plot(run_dir):
     out = os.path.join(run_dir, "curve.png")
     fig.savefig(out, dpi=100)
     print(out)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as pyplot
+    except ImportError:
+        sys.exit("train.py: --plot needs matplotlib (pip install matplotlib)")
+    return pyplot
+
+
+# What the comparison draws: (log, key, title); each against steps and against training minutes.
+PANELS = [("eval", "pass@1", "held-out accuracy (greedy)"), ("metrics", "reward", "training reward"),
+          ("metrics", "entropy", "entropy (nats per token)"),
+          ("metrics", "response_length", "response length (tokens)"),
+          ("metrics", "clip_frac_high", "clip fraction, upper (eps_high)")]
+
+
+def load_run(run_dir):
+    """A run directory's label (--label, else its preset), config and logs."""
+    config = read_config(run_dir)
+    return {"dir": run_dir, "label": config.get("label") or config.get("preset", "?"),
+            "metrics": read_lines(os.path.join(run_dir, "metrics.jsonl")),
+            "eval": read_lines(os.path.join(run_dir, "eval.jsonl"))}
+
+
+def compare(run_dirs):
+    """Several runs overlaid, one colour per label, each seed a line -> comparison.png beside the
+    runs; and the summary table (`summary_table`) -> comparison.md, printed too."""
+    pyplot = _pyplot()
+    loaded = [load_run(d) for d in run_dirs]
+    labels = list(dict.fromkeys(run["label"] for run in loaded))
+    colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    fig, axes = pyplot.subplots(2, len(PANELS), figsize=(4 * len(PANELS), 7), squeeze=False)
+    for column, (log, key, title) in enumerate(PANELS):
+        for row, (x_key, x_scale, x_name) in enumerate((("step", 1, "step"),
+                                                        ("train_seconds", 60, "training minutes"))):
+            ax = axes[row][column]
+            for run in loaded:
+                points = [(r[x_key] / x_scale, r[key]) for r in run[log]
+                          if r.get(key) is not None and x_key in r]
+                ax.plot(*zip(*points) if points else ([], []), color=colours[run["label"]],
+                        alpha=0.7, lw=1, marker="o" if log == "eval" else None, ms=3)
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel(x_name, fontsize=8)
+            ax.grid(alpha=0.3)
+    handles = [pyplot.Line2D([], [], color=colours[label], label=label) for label in labels]
+    fig.legend(handles=handles, loc="upper center", ncol=min(len(labels), 6), fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    folder = os.path.commonpath([os.path.abspath(d) for d in run_dirs])
+    fig.savefig(os.path.join(folder, "comparison.png"), dpi=90)
+    table = summary_table(loaded)
+    with open(os.path.join(folder, "comparison.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+    print(os.path.join(folder, "comparison.png"))
+
+
+def summary_table(loaded):
+    """A markdown table, one row per label: held-out accuracy at the end and at its best, the
+    first step that reaches 90% of the best label's final accuracy (convergence), throughput and
+    peak memory; mean +- standard deviation over the label's runs (seeds)."""
+    by_label = {}
+    for run in loaded:
+        by_label.setdefault(run["label"], []).append(run)
+    finals = {label: _mean([run["eval"][-1]["pass@1"] for run in group if run["eval"]])
+              for label, group in by_label.items()}
+    target = 0.9 * max([f for f in finals.values() if f is not None] or [0.0])
+    lines = [f"| arm | runs | held-out at the end | best held-out | first step >= {target:.1%} | "
+             "rollout tok/s | update tok/s | peak memory (MiB) |", "|---|---|---|---|---|---|---|---|"]
+    for label, group in by_label.items():
+        columns = [
+            [run["eval"][-1]["pass@1"] for run in group if run["eval"]],
+            [max(e["pass@1"] for e in run["eval"]) for run in group if run["eval"]],
+            [next((e["step"] for e in run["eval"] if e["pass@1"] >= target), math.nan) for run in group],
+            [_mean([r["tokens_per_second_rollout"] for r in run["metrics"]]) for run in group],
+            [_mean([r["tokens_per_second_update"] for r in run["metrics"]]) for run in group],
+            [max([r.get("peak_memory_mib") or 0 for r in run["metrics"]] or [0]) for run in group]]
+        formats = ["{:.1%}", "{:.1%}", "{:.0f}", "{:.0f}", "{:.0f}", "{:.0f}"]
+        cells = [_mean_and_spread(values, fmt) for values, fmt in zip(columns, formats)]
+        lines.append(f"| {label} | {len(group)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _mean_and_spread(values, fmt):
+    """"mean +- sd" over the finite values (sd over seeds), "-" when there is none."""
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return "-"
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return fmt.format(mean)
+    spread = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    return f"{fmt.format(mean)} +- {fmt.format(spread)}"

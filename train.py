@@ -44,6 +44,7 @@ import json
 import math
 import os
 import random
+import resource
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -153,10 +154,13 @@ class Run:
 # ---- one training step --------------------------------------------------------------------------
 
 def train_step(run, progress):
-    """One training step, numbered as in the module docstring. -> (progress after it, its row)"""
+    """One training step, numbered as in the module docstring. -> (progress after it, its log row,
+    the trained batch)"""
     args = run.args
     for group in run.optimizer.param_groups:
         group["lr"] = lr_at(progress.step, args)
+    if args.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     with torch.no_grad():
         kept, sampled, surplus, asked = collect_rollouts(run, progress)  # 1-2
@@ -170,7 +174,8 @@ def train_step(run, progress):
     end = time.perf_counter()
     seconds = {"rollout": sampled_at - start, "scoring": scored_at - sampled_at, "update": end - scored_at}
     row = step_metrics(run, progress, sampled, kept, surplus, asked,     # 6
-                       update_sums, update_maxima, seconds)
+                       update_sums, {**update_maxima, "peak_memory_mib": peak_memory_mib(args)},
+                       seconds)
 
     ema = row["accuracy"] if progress.accuracy_ema is None else \
         0.8 * progress.accuracy_ema + 0.2 * row["accuracy"]
@@ -184,7 +189,7 @@ def train_step(run, progress):
                        prompt_accuracy=shared_prompt_accuracy(run, progress, sampled)
                        if args.adaptive_budget else {})
     row["train_seconds"] = progress.train_seconds
-    return progress, row
+    return progress, row, batch
 
 
 # ---- 1-2: sample, reward, filter ----------------------------------------------------------------
@@ -595,6 +600,7 @@ def step_metrics(run, progress, sampled, kept, surplus, asked, update_sums, upda
            "groups_kept_per_rank": gather(kept.num_groups, run.world), "rounds": int(total["rounds"]),
            **{name: total.get(name, 0.0) / tokens for name in update_means(args)},
            "ratio_max": total.get("ratio_max"),  # None when no update had a loss token
+           "peak_memory_mib": total["peak_memory_mib"],  # the largest over ranks
            "sampler_trainer_mismatch": total.get("mismatch", 0.0) / max(1.0, total.get("mismatch_tokens", 0.0)),
            "grad_norm": total.get("grad_norm", 0.0) / max(1.0, applied * ranks),
            "skipped_updates": int(updates - applied), "empty_updates": int(total.get("empty_updates", 0) / ranks),
@@ -610,6 +616,29 @@ def step_metrics(run, progress, sampled, kept, surplus, asked, update_sums, upda
     row["tokens_per_second_scoring"] = (total["update_tokens"] / ranks / max(seconds["scoring"], 1e-9)
                                         if args.mini_batches > 1 else None)
     return row
+
+
+def peak_memory_mib(args):
+    """This step's peak of allocated GPU memory, or on the CPU the process's peak resident set
+    so far (the system keeps no per-step peak there), in MiB."""
+    if args.device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def sample_lines(run, batch, step):
+    """A few of the step's trained completions with their rewards, for samples.jsonl: what the
+    model actually says as it learns."""
+    starts = batch.group_starts()
+    lines = []
+    for i in range(min(run.args.log_samples, len(batch.tokens))):
+        group = max(g for g, start in enumerate(starts) if start <= i)
+        lines.append({"step": step, "prompt": batch.records[group]["prompt"],
+                      "answer": batch.records[group]["answer"],
+                      "completion": run.tokenizer.decode(batch.tokens[i], skip_special_tokens=True),
+                      "reward": batch.rewards[i], "advantage": batch.advantages[i],
+                      "truncated": batch.truncated[i], **batch.reward_parts[i]})
+    return lines
 
 
 def shared_prompt_accuracy(run, progress, sampled):
@@ -647,7 +676,7 @@ def main(argv=None):
     limit = args.time_limit * 60 or math.inf  # seconds of training; 0: none
     last_save, over_time = time.monotonic(), progress.train_seconds > limit  # (a resumed run)
     while progress.step < args.steps and not over_time:
-        progress, row = train_step(run, progress)
+        progress, row, batch = train_step(run, progress)
         # Every rank must stop at the same step (or the others hang in the next collective), and
         # their clocks differ (rank 0 alone evaluates): the decisions are maxed over ranks.
         flags = reduce_metrics({}, {
@@ -661,6 +690,8 @@ def main(argv=None):
             continue
         if rank0:
             runs.append_line(os.path.join(args.out, "metrics.jsonl"), row)
+            for line in sample_lines(run, batch, progress.step):
+                runs.append_line(os.path.join(args.out, "samples.jsonl"), line)
             bar.update(1)
             bar.set_postfix_str(f"acc {row['accuracy']:.2f} kept {row['groups_kept']}/"
                                 f"{row['groups_sampled']} len {row['response_length']:.0f} | "
@@ -843,30 +874,40 @@ def refresh_sampler(run):
 
 
 @torch.no_grad()
-def heldout_accuracy(run, batch_size=64):
-    """Greedy pass@1 on the held-out problems (eval.py also reports avg@k, pass@k, maj@k)."""
+def heldout_accuracy(run, samples=1, temperature=0.0, top_p=1.0, rows_per_call=64):
+    """Mean accuracy of `samples` completions of each held-out problem: greedy pass@1, or avg@k
+    at a temperature as DAPO reports (eval.py also reports pass@k and maj@k). -> (accuracy,
+    mean length, truncated fraction)"""
     args, tokenizer = run.args, run.tokenizer
     prompts = [data.format_prompt(r, tokenizer, args.template) for r in run.heldout]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less padding
     right, length, truncated = 0, 0, 0
-    for at in range(0, len(order), batch_size):
-        rows = order[at:at + batch_size]
-        completions = generate(run.sampler.eval(), [prompts[i] for i in rows], num_samples=1,
-                               max_new_tokens=args.max_new_tokens, temperature=0.0,
-                               stop_token_ids=run.stop_ids)
-        for i, c in zip(rows, completions):
+    per_call = max(1, rows_per_call // samples)
+    for at in range(0, len(order), per_call):
+        rows = order[at:at + per_call]
+        completions = generate(run.sampler.eval(), [prompts[i] for i in rows], num_samples=samples,
+                               max_new_tokens=args.max_new_tokens, temperature=temperature,
+                               top_p=top_p, stop_token_ids=run.stop_ids, seed=at)
+        for j, c in enumerate(completions):  # prompt-major: prompt rows[j // samples]
             text = tokenizer.decode(c.tokens, skip_special_tokens=True)
-            right += rewards.is_correct(text, run.heldout[i]["answer"])
+            right += rewards.is_correct(text, run.heldout[rows[j // samples]]["answer"])
             length += len(c.tokens)
             truncated += c.finish_reason == "length"
-    n = len(prompts)
-    return {"pass@1": right / n, "n": n, "mean_length": length / n, "truncated": truncated / n}
+    n = len(prompts) * samples
+    return right / n, length / n, truncated / n
 
 
 def evaluate_and_log(run, progress):
-    started = time.perf_counter()
-    result = heldout_accuracy(run)
-    print(f"step {progress.step}: held-out accuracy {result['pass@1']:.3f} on {result['n']} "
+    """Held-out accuracy, greedy (and avg@k with --eval-samples), into eval.jsonl."""
+    args, started = run.args, time.perf_counter()
+    accuracy, length, truncated = heldout_accuracy(run)
+    result = {"pass@1": accuracy, "n": len(run.heldout), "mean_length": length, "truncated": truncated}
+    if args.eval_samples:
+        result["avg@k"], _, _ = heldout_accuracy(run, args.eval_samples, args.eval_temperature,
+                                                  args.eval_top_p)
+        result["k"] = args.eval_samples
+    sampled = f", avg@{args.eval_samples} {result['avg@k']:.3f}" if args.eval_samples else ""
+    print(f"step {progress.step}: held-out accuracy {accuracy:.3f}{sampled} on {result['n']} "
           f"problems ({time.perf_counter() - started:.0f} s)", flush=True)
     runs.append_line(os.path.join(run.args.out, "eval.jsonl"),
                      {"step": progress.step, "train_seconds": progress.train_seconds, **result})
@@ -923,6 +964,7 @@ def open_run_directory(run, progress):
     runs.write_config(args.out, {k: v for k, v in vars(args).items()
                                  if k not in ("device", "resume", "bench", "plot")})
     runs.trim_log(os.path.join(args.out, "metrics.jsonl"), progress.step)
+    runs.trim_log(os.path.join(args.out, "samples.jsonl"), progress.step)
     runs.trim_log(os.path.join(args.out, "eval.jsonl"), progress.step if progress.step else -1)
 
 

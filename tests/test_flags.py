@@ -39,6 +39,8 @@ TRAIN_MEANINGFUL = {
     ("--gkl-alpha", "0"): "GKL without its KL part",
     ("--gkl-beta", "0"): "GKL without its wMSE part",
     ("--warmup-steps", "0"): "no warm-up",
+    ("--eval-samples", "0"): "held-out accuracy greedy only",
+    ("--log-samples", "0"): "no samples.jsonl lines",
     ("--weight-decay", "0"): "no weight decay",
 }
 # Values once accepted that cost a run or a result (the list), beyond 0 / -1 / nan / inf.

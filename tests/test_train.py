@@ -103,7 +103,8 @@ def metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(l) for l in f]
     for r in rows:  # timings differ between runs; everything else must not
-        for k in [k for k in r if k.startswith(("seconds", "tokens_per_second", "train_seconds"))]:
+        for k in [k for k in r if k.startswith(("seconds", "tokens_per_second", "train_seconds",
+                                                  "peak_memory"))]:
             del r[k]
     return rows
 
@@ -148,6 +149,12 @@ def test_smoke_run_writes_everything(tiny, tmp_path):
         assert key in rows[0]
     # Two updates per step, counted apart from the steps.
     assert [r["updates"] for r in rows] == [2, 4, 6]
+    # Peak memory each step, and a few completions a step with what they earned.
+    raw = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["peak_memory_mib"] > 100 for r in raw)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1] * 4 + [2] * 4 + [3] * 4
+    assert {"prompt", "completion", "reward", "advantage", "correct", "overlong"} <= set(samples[0])
     # The sampler's log-probs are the trainer's (same fp32 weights, same temperature).
     assert all(r["sampler_trainer_mismatch"] < 1e-4 for r in rows)
     # A short summary opens the run, not the whole config (that is in config.json).
@@ -676,6 +683,17 @@ def test_every_variant_runs_end_to_end(tiny, tmp_path, preset):
         assert sum(r["pairs"] for r in rows) > 0
 
 
+def test_heldout_avg_at_k_beside_greedy(tiny, tmp_path):
+    """--eval-samples K: avg@K at --eval-temperature / --eval-top-p beside the greedy pass@1, as
+    DAPO reports avg@32 at temperature 1 and top-p 0.7."""
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    run_train(["--model", model_dir, "--data", data_file, "--eval-data", data_file, "--eval-limit",
+               "4", "--eval-samples", "3", "--steps", "1", "--out", str(out)] + BASE)
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["k"] for e in evals] == [3, 3] and all(0 <= e["avg@k"] <= 1 for e in evals)
+
+
 def test_resume_before_the_first_checkpoint_starts_over(tiny, tmp_path):
     """A run killed before its first checkpoint: --resume starts it over, and its logs hold each
     step once (the step-0 held-out evaluation is not written twice)."""
@@ -881,7 +899,24 @@ def test_plot_reads_a_torn_log_and_names_a_missing_run(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "train_seconds": 6, "accuracy": 0.5}\n{"step": 2, "tr')
-    runs.plot(str(run_dir))
+    runs.plot([str(run_dir)])
     assert (run_dir / "curve.png").exists()
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
-        runs.plot(str(tmp_path / "nope"))
+        runs.plot([str(tmp_path / "nope")])
+
+
+def test_comparison_table_means_spreads_and_convergence():
+    """runs.summary_table: one row per label, mean +- sd over seeds, the first step at 90% of
+    the best label's final accuracy (here 0.9 * 0.8 = 72%)."""
+    import runs
+
+    def run(label, accuracies, memory):
+        return {"label": label, "eval": [{"step": 10 * i, "pass@1": a} for i, a in enumerate(accuracies)],
+                "metrics": [{"tokens_per_second_rollout": 100.0, "tokens_per_second_update": 50.0,
+                             "peak_memory_mib": memory}]}
+    table = runs.summary_table([run("a", [0.2, 0.6, 0.8], 900), run("a", [0.2, 0.75, 0.8], 1100),
+                                run("b", [0.2, 0.5, 0.6], 800)])
+    lines = table.splitlines()
+    assert "first step >= 72.0%" in lines[0] and len(lines) == 4
+    assert lines[2] == "| a | 2 | 80.0% +- 0.0% | 80.0% +- 0.0% | 15 +- 7 | 100 +- 0 | 50 +- 0 | 1000 +- 141 |"
+    assert lines[3] == "| b | 1 | 60.0% | 60.0% | - | 100 | 50 | 800 |"

@@ -1,0 +1,67 @@
+"""The study recipes (recipes/*.sh): each runs end to end at a 1-step tiny-model size, CPU and GPU
+flag sets alike, and ends with the comparison table; every command they would launch at full size
+parses (train.py's checks included)."""
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from test_train import digit_checkpoint, learnable_data  # noqa: E402
+
+RECIPES = {"ladder.sh": 6, "proposed.sh": 4, "grpo-vs-dpo.sh": 6}  # arms
+
+
+def recipe(name, tmp_path, **env):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable, OUT=str(tmp_path / "runs"),
+               **env)
+    return subprocess.run(["bash", str(ROOT / "recipes" / name)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("size", ["cpu", "gpu"])
+def test_every_command_of_a_recipe_parses(name, size, tmp_path):
+    import config
+    proc = recipe(name, tmp_path, SIZE=size, DRY_RUN="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = [line[2:] for line in proc.stdout.splitlines() if line.startswith("+ ")]
+    runs = [c for c in commands if "--preset" in c]
+    assert len(runs) == 3 * RECIPES[name]  # every arm, three seeds
+    assert ("torchrun" in runs[0]) == (size == "gpu") and commands[-1].count("--plot") == 1
+    for command in runs:
+        argv = shlex.split(command)
+        config.parse_config(argv[argv.index("train.py") + 1:])  # a bad flag exits here
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("size", ["cpu", "gpu"])
+def test_a_recipe_runs_end_to_end_at_a_tiny_size(name, size, tmp_path):
+    """Every arm, one seed, one step of a tiny model, with the recipe's own flags for the CPU
+    or the GPU size (only the model, the data and the sizes overridden), then the table."""
+    model = digit_checkpoint(tmp_path / "model")
+    data = learnable_data(tmp_path / "data.jsonl")
+    tiny = (f"--model {model} --data {data} --eval-data {data} --eval-limit 4 --steps 1 "
+            "--prompts-per-step 4 --samples 4 --max-new-tokens 4 --micro-batch-size 8 "
+            "--template none --dtype float32 --eval-samples 2")
+    proc = recipe(name, tmp_path, SIZE=size, SEEDS="0", EXTRA=tiny,
+                  LAUNCH=f"{sys.executable} {ROOT / 'train.py'}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    table = (tmp_path / "runs" / "comparison.md").read_text()
+    assert len(table.strip().splitlines()) == 2 + RECIPES[name] and "held-out at the end" in table
+    assert (tmp_path / "runs" / "comparison.png").stat().st_size > 10_000
+    for run in (tmp_path / "runs").iterdir():
+        if run.is_dir():
+            assert (run / "final").is_dir() and (run / "samples.jsonl").exists()
+    # Run again: finished runs are kept, nothing is trained twice.
+    again = recipe(name, tmp_path, SIZE=size, SEEDS="0", EXTRA=tiny,
+                   LAUNCH=f"{sys.executable} {ROOT / 'train.py'}")
+    assert again.returncode == 0 and "--preset" not in again.stdout
