@@ -110,7 +110,7 @@ CASES = [
     ("\\boxed 5", "5", True),
     ("\\boxed{\\text{(C)}}", "C", True),
     ("\\boxed{x^{2}}", "x^2", True),
-    ("\\boxed{{{7}}}", "7", False),  # groups are kept, "{{7}}" is not 7
+    ("\\boxed{{{7}}}", "7", True),  # redundant braces group nothing (issue 10: was False)
     # GSM8K "#### X"
     ("She pays 3 * 4 = 12 dollars.\n#### 12", "12", True),
     ("#### 1,000", "1000", True),
@@ -386,7 +386,8 @@ def test_source_never_evaluates_text():
             imported |= {a.name.split(".")[0] for a in n.names}
         elif isinstance(n, ast.ImportFrom):
             imported.add(n.module.split(".")[0])
-    assert imported <= {"__future__", "math", "re", "fractions", "decimal", "itertools", "unicodedata"}
+    assert imported <= {"__future__", "cmath", "math", "random", "re", "fractions", "decimal", "itertools",
+                        "unicodedata"}
 
 
 # ---------------------------------------------------------------------------------------------
