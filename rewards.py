@@ -45,8 +45,8 @@ MAX_DEPTH = 60  # parser nesting (about three per bracket or \frac level)
 MAX_WORK = 3000  # node evaluations and matched pairs per comparison, all points and items
 MAX_BITS = 2048  # an exact value with a longer numerator or denominator continues as a float
 POINTS = 6  # random points at which answers with variables are compared
-REL_TOL = 1e-10  # float agreement, relative (see _close)
-ABS_TOL = 1e-12  # float agreement near zero
+REL_TOL = 1e-12  # floats agree within their carried error bounds plus this (see _close)
+ABS_TOL = 1e-12  # ... and count only if those bounds are this small near zero
 
 # ---------------------------------------------------------------------------------------------
 # Unicode clean-up (shared by extraction and normalisation)
@@ -459,12 +459,19 @@ _GREEK = frozenset(
     r" \Sigma \Phi \Psi \Omega".split()
 )
 _CONSTANTS = {"\\pi": ("c", "pi"), "e": ("c", "e"), "i": ("c", "i"), "\\infty": ("inf",)}
-_FUNCTIONS = {
-    "\\sin": cmath.sin, "\\cos": cmath.cos, "\\tan": cmath.tan, "\\cot": lambda z: 1 / cmath.tan(z),
-    "\\sec": lambda z: 1 / cmath.cos(z), "\\csc": lambda z: 1 / cmath.sin(z),
-    "\\arcsin": cmath.asin, "\\arccos": cmath.acos, "\\arctan": cmath.atan, "\\sinh": cmath.sinh,
-    "\\cosh": cmath.cosh, "\\tanh": cmath.tanh, "\\ln": cmath.log, "\\log": cmath.log,
-    "\\exp": cmath.exp,
+_FUNCTIONS = {  # name: (function, derivative), on complex floats
+    "\\sin": (cmath.sin, cmath.cos), "\\cos": (cmath.cos, lambda z: -cmath.sin(z)),
+    "\\tan": (cmath.tan, lambda z: cmath.cos(z) ** -2),
+    "\\cot": (lambda z: 1 / cmath.tan(z), lambda z: -cmath.sin(z) ** -2),
+    "\\sec": (lambda z: 1 / cmath.cos(z), lambda z: cmath.tan(z) / cmath.cos(z)),
+    "\\csc": (lambda z: 1 / cmath.sin(z), lambda z: -1 / (cmath.tan(z) * cmath.sin(z))),
+    "\\arcsin": (cmath.asin, lambda z: (1 - z * z) ** -0.5),
+    "\\arccos": (cmath.acos, lambda z: -(1 - z * z) ** -0.5),
+    "\\arctan": (cmath.atan, lambda z: 1 / (1 + z * z)),
+    "\\sinh": (cmath.sinh, cmath.cosh), "\\cosh": (cmath.cosh, cmath.sinh),
+    "\\tanh": (cmath.tanh, lambda z: cmath.cosh(z) ** -2),
+    "\\ln": (cmath.log, lambda z: 1 / z), "\\log": (cmath.log, lambda z: 1 / z),
+    "\\exp": (cmath.exp, cmath.exp),
 }
 _INVERSE = {"\\sin": "\\arcsin", "\\cos": "\\arccos", "\\tan": "\\arctan"}  # \sin^{-1} x
 _TIMES = frozenset(["*", "\\cdot", "\\times"])
@@ -793,10 +800,10 @@ def _members(tree: tuple) -> list:
 
 def _shape(tree: tuple) -> tuple:
     """One form per compound answer: "x = 1, y = 2" is the point (1, 2), "x = 2, x = 3" a list of
-    solutions, a one-element set its element, "y = 5" its value."""
+    solutions, a one-element set its element, "y = 5" and "(x, y) = (1, 2)" their values."""
     kind = tree[0]
-    if kind == "assign":
-        return _shape(tree[2])
+    if kind == "assign" or (kind == "eq" and tree[1][0] == "seq" and all(t[0] == "v" for t in tree[1][3])):
+        return _shape(tree[-1])  # "y = 5", "(x, y) = (1, 2)": the value
     if kind in ("list", "set"):
         names = [t[1] for t in tree[1] if t[0] == "assign"]
         items = [_shape(t) for t in tree[1]]
@@ -836,16 +843,81 @@ def _names(tree: tuple) -> set[str]:
 
 # Values of a tree at random points: our own arithmetic, Fractions first
 
-def _small(x):
-    """x itself, or as a complex float once an exact value outgrows MAX_BITS (OverflowError, caught
-    as undefined, if even a float cannot hold it)."""
-    if isinstance(x, Fraction) and max(x.numerator.bit_length(), x.denominator.bit_length()) > MAX_BITS:
-        return complex(x)
+"""A value is a Fraction (exact) or a pair (z, err): a complex float and a bound on its distance
+from the true value, carried through every operation to first order (each operation adds a few
+units of rounding, U, of its result; derivatives carry the inputs' errors). Comparing two floats
+then needs no guessed tolerance: they agree if they differ by less than their errors, and the
+errors are small (REL_TOL of the values, or ABS_TOL near zero); "10^{30}\\pi - 10^{30}\\pi + 7" is
+7 give or take 10^15, equal to nothing. Where the result may be 0 (a divisor, a log), overflows or
+underflows (below TINY), there is no value: _Undefined."""
+
+U = 2.0 ** -52  # rounding of one float operation, twice double precision's unit for complex ones
+TINY = 1e-280  # nonzero float results below this have lost their digits
+
+
+def _small(x: Fraction):
+    """x itself, or a float once it outgrows MAX_BITS (OverflowError, so undefined, if even a
+    float cannot hold it)."""
+    if max(x.numerator.bit_length(), x.denominator.bit_length()) > MAX_BITS:
+        return _approx(x)
     return x
 
 
-def _negative_real(x) -> bool:
-    return x < 0 if isinstance(x, Fraction) else (x.imag == 0 and x.real < 0)
+def _float(z: complex, err: float) -> tuple:
+    if not (cmath.isfinite(z) and math.isfinite(err)) or 0 < abs(z) < TINY:
+        raise _Undefined
+    return z, err
+
+
+def _approx(x) -> tuple:
+    """Any value as (z, err); a Fraction is exact up to its rounding to a float."""
+    if isinstance(x, tuple):
+        return x
+    z = complex(x)  # OverflowError beyond float range
+    if x and not z:
+        raise _Undefined  # underflow
+    return _float(z, U * abs(z))
+
+
+def _add(a, b):
+    if isinstance(a, Fraction) and isinstance(b, Fraction):
+        return _small(a + b)
+    (x, ex), (y, ey) = _approx(a), _approx(b)
+    return _float(x + y, ex + ey + U * abs(x + y))
+
+
+def _mul(a, b):
+    if isinstance(a, Fraction) and isinstance(b, Fraction):
+        return _small(a * b)
+    (x, ex), (y, ey) = _approx(a), _approx(b)
+    z = x * y
+    if x and y and not z:
+        raise _Undefined  # underflow
+    return _float(z, abs(x) * ey + abs(y) * ex + ex * ey + 4 * U * abs(z))
+
+
+def _div(a, b):
+    if isinstance(a, Fraction) and isinstance(b, Fraction):
+        return _small(a / b)  # ZeroDivisionError: undefined
+    (x, ex), (y, ey) = _approx(a), _approx(b)
+    if abs(y) <= ey:
+        raise _Undefined  # the divisor may be 0
+    z = x / y
+    if x and not z:
+        raise _Undefined
+    return _float(z, (ex + abs(z) * ey) / (abs(y) - ey) + 4 * U * abs(z))
+
+
+def _neg(a):
+    return -a if isinstance(a, Fraction) else (-a[0], a[1])
+
+
+def _abs(a):
+    return abs(a) if isinstance(a, Fraction) else (complex(abs(a[0])), a[1])
+
+
+def _negative_real(a) -> bool:
+    return a < 0 if isinstance(a, Fraction) else (a[0].imag == 0 and a[0].real < 0)
 
 
 def _int_root(n: int, q: int) -> int | None:
@@ -879,30 +951,45 @@ def _exact_power(base: Fraction, exponent: Fraction) -> Fraction | None:
 
 
 def _power(base, exponent):
-    """base ** exponent: exact where possible; a rational exponent with an odd denominator takes the
-    real root of a negative base ((-8)^{1/3} = \\sqrt[3]{-8} = -2); else the principal value."""
+    """base ** exponent: exact where possible; a rational exponent with an odd denominator takes
+    the real root of a negative base ((-8)^{1/3} = \\sqrt[3]{-8} = -2); else the principal value,
+    exp(exponent log base), whose error follows from the inputs' and from the exponent's size."""
     if isinstance(exponent, Fraction):
         if isinstance(base, Fraction):
             exact = _exact_power(base, exponent)
             if exact is not None:
                 return exact
         if exponent.denominator % 2 and _negative_real(base):
-            magnitude = _power(-base, exponent)
-            return -magnitude if exponent.numerator % 2 else magnitude
-        if exponent == Fraction(1, 2):
-            return cmath.sqrt(complex(base))  # exactly 2i for -4, where ** would leave 1e-16
-    base, exponent = complex(base), complex(exponent)
-    if base == 0:
-        if exponent.real > 0:
-            return 0j
+            magnitude = _power(_neg(base), exponent)
+            return _neg(magnitude) if exponent.numerator % 2 else magnitude
+    if base == 0:  # an exact 0 to a float power
+        if _approx(exponent)[0].real > 0:
+            return Fraction(0)
         raise _Undefined
-    return base ** exponent
+    (x, ex), (y, ey) = _approx(base), _approx(exponent)
+    if abs(x) <= ex:
+        raise _Undefined  # the base may be 0
+    z = cmath.sqrt(x) if exponent == Fraction(1, 2) else x ** y  # sqrt: exactly 2i for -4
+    if not z:
+        raise _Undefined  # underflow
+    log_x = cmath.log(x)
+    return _float(z, abs(z) * (abs(y) * ex / (abs(x) - ex) + abs(log_x) * ey + U * (abs(y * log_x) + 4)))
 
 
 def _root(index, radicand):
     if isinstance(index, Fraction) and index.denominator == 1 and index > 0:
         return _power(radicand, 1 / index)
-    return _power(radicand, 1 / complex(index))
+    return _power(radicand, _div(Fraction(1), index))
+
+
+def _apply(name: str, a):
+    """A function of a float, its error carried by the derivative."""
+    function, derivative = _FUNCTIONS[name]
+    x, ex = _approx(a)
+    if name in ("\\ln", "\\log") and abs(x) <= ex:
+        raise _Undefined
+    z, slope = function(x), abs(derivative(x))
+    return _float(z, slope * ex + 4 * U * (abs(z) + abs(x) * slope))
 
 
 def _factorial(n):
@@ -917,15 +1004,8 @@ def _binomial(n, k):
     return _small(Fraction(math.comb(int(n), int(k)) if k >= 0 else 0))
 
 
-_CONSTANT_VALUES = {"pi": complex(math.pi), "e": complex(math.e), "i": 1j}
-_BINARY = {
-    "+": lambda a, b: _small(a + b),
-    "*": lambda a, b: _small(a * b),
-    "/": lambda a, b: _small(a / b),  # ZeroDivisionError: undefined
-    "^": _power,
-    "root": _root,
-    "binom": _binomial,
-}
+_CONSTANT_VALUES = {"pi": (complex(math.pi), U * math.pi), "e": (complex(math.e), U * math.e), "i": (1j, 0.0)}
+_BINARY = {"+": _add, "*": _mul, "/": _div, "^": _power, "root": _root, "binom": _binomial}
 
 
 def _random_rational(rng: random.Random) -> Fraction:
@@ -935,10 +1015,9 @@ def _random_rational(rng: random.Random) -> Fraction:
 
 
 class _Values:
-    """Values of scalar trees at POINTS shared random points (one point if there are no variables):
-    exact Fractions while the arithmetic stays rational and within MAX_BITS, complex floats after
-    (roots, pi, e, i, functions); None where undefined. MAX_WORK node evaluations and matched
-    pairs in all, then _Fail. The points are seeded by the two answers: the same pair always gets the same verdict."""
+    """Values of scalar trees at POINTS shared random points (one point if there are no variables);
+    None where undefined. MAX_WORK node evaluations and matched pairs in all, then _Fail. The
+    points are seeded by the two answers: the same pair always gets the same verdict."""
 
     def __init__(self, names: set[str], seed: str):
         rng = random.Random(seed)
@@ -947,6 +1026,11 @@ class _Values:
         self.work = 0
         self.cache = {}
 
+    def spend(self) -> None:
+        self.work += 1
+        if self.work > MAX_WORK:
+            raise _Fail
+
     def of(self, tree: tuple) -> list:
         if id(tree) not in self.cache:  # the tree is kept with its values: ids stay unique
             self.cache[id(tree)] = (tree, [self.at(tree, point) for point in self.points])
@@ -954,15 +1038,9 @@ class _Values:
 
     def at(self, tree: tuple, point: dict):
         try:
-            value = self.value(tree, point)
+            return self.value(tree, point)
         except (ArithmeticError, ValueError):  # _Undefined, ZeroDivisionError, OverflowError
             return None
-        return value if isinstance(value, Fraction) or cmath.isfinite(value) else None
-
-    def spend(self) -> None:
-        self.work += 1
-        if self.work > MAX_WORK:
-            raise _Fail
 
     def value(self, node: tuple, point: dict):
         self.spend()
@@ -976,34 +1054,32 @@ class _Values:
         if kind in _BINARY:
             return _BINARY[kind](self.value(node[1], point), self.value(node[2], point))
         if kind == "neg":
-            return -self.value(node[1], point)
+            return _neg(self.value(node[1], point))
         if kind == "abs":
-            x = self.value(node[1], point)
-            return abs(x) if isinstance(x, Fraction) else complex(abs(x))
+            return _abs(self.value(node[1], point))
         if kind == "!":
             return _factorial(self.value(node[1], point))
         if kind == "f":
-            return _FUNCTIONS[node[1]](complex(self.value(node[2], point)))
+            return _apply(node[1], self.value(node[2], point))
         if kind == "log":
-            return cmath.log(complex(self.value(node[2], point))) / cmath.log(
-                complex(self.value(node[1], point)))
+            return _div(_apply("\\ln", self.value(node[2], point)), _apply("\\ln", self.value(node[1], point)))
         raise _Undefined  # infinity, a tuple or a set inside arithmetic
 
 
 # Matching two trees
 
-def _close(x, y) -> bool:
-    """Equal values: exactly if both are Fractions, else within REL_TOL relative (ABS_TOL near 0).
-    Floats of a tree of at most MAX_NODES operations carry rounding errors near 1e-14 of the
-    magnitudes involved; 1e-10 leaves room for cancellation, while any different answer a person
-    writes differs far more (only a decimal with 10+ correct digits of an irrational passes)."""
-    if isinstance(x, Fraction) and isinstance(y, Fraction):
-        return x == y
+def _close(a, b) -> bool:
+    """Equal values: Fractions exactly; floats when they differ by less than their errors (plus
+    REL_TOL, for errors first-order bounds miss) and those errors are small: REL_TOL of the
+    values, or ABS_TOL near zero (\\cos\\frac{\\pi}{2} is 0, 10^{-13}\\pi is not)."""
+    if isinstance(a, Fraction) and isinstance(b, Fraction):
+        return a == b
     try:
-        x, y = complex(x), complex(y)
-    except OverflowError:  # an exact value beyond float range against a float
+        (x, ex), (y, ey) = _approx(a), _approx(b)
+    except (ArithmeticError, ValueError):  # an exact value beyond float range against a float
         return False
-    return abs(x - y) <= max(REL_TOL * max(abs(x), abs(y)), ABS_TOL)
+    err, size = ex + ey, max(abs(x), abs(y))
+    return abs(x - y) <= err + REL_TOL * size and (err <= REL_TOL * size or err <= ABS_TOL)
 
 
 def _same_values(xs: list, ys: list) -> bool:
@@ -1030,18 +1106,20 @@ def _proportional(a: tuple, b: tuple, values: _Values) -> bool:
     db = values.of(("+", b[1], ("neg", b[2])))
     if None in da or None in db:
         return False
-    ratio = next((x / y for x, y in zip(da, db) if not _close(y, 0)), None)
-    if ratio is None or _close(ratio, 0):
-        return ratio is None and all(_close(x, 0) for x in da)
-    return all(_close(x, _small(ratio * y)) for x, y in zip(da, db))
+    try:
+        ratio = next((_div(x, y) for x, y in zip(da, db) if not _close(y, Fraction(0))), None)
+        if ratio is None or _close(ratio, Fraction(0)):
+            return ratio is None and all(_close(x, Fraction(0)) for x in da)
+        return all(_close(x, _mul(ratio, y)) for x, y in zip(da, db))
+    except (ArithmeticError, ValueError):
+        return False
 
 
 def _vector(tree: tuple) -> list | None:
-    """Entries of what may be read as a vector: a (..) tuple, a bare list, a one-column matrix."""
+    """Entries of a vector written as a (..) tuple or as a one-column matrix. (A bare list is not
+    one: "-2, 1" lists solutions, "(-2, 1)" is a point or an interval.)"""
     if tree[0] == "seq" and tree[1] + tree[2] == "()":
         return tree[3]
-    if tree[0] == "list":
-        return tree[1]
     if tree[0] == "mat" and all(len(row) == 1 for row in tree[1]):
         return [row[0] for row in tree[1]]
     return None
@@ -1090,7 +1168,7 @@ def _match(a: tuple, b: tuple, values: _Values) -> bool:
         return _covers(a[1], b[1], values) and _covers(b[1], a[1], values)
     if a[0] == b[0] == "eq":
         return _proportional(a, b, values)
-    va, vb = _vector(a), _vector(b)  # a column vector, a point, a bare list: entries in order
+    va, vb = _vector(a), _vector(b)  # a column vector and a tuple: entries in order
     return va is not None and vb is not None and a[0] != b[0] and _pairwise(va, vb, values)
 
 
