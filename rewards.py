@@ -48,11 +48,13 @@ POINTS = 6  # random points at which answers with variables are compared
 REL_TOL = 1e-12  # floats agree within their carried error bounds plus this (see _close)
 ABS_TOL = 1e-12  # ... and count only if those bounds are this small near zero
 
+
 # ---------------------------------------------------------------------------------------------
 # Unicode clean-up (shared by extraction and normalisation)
 
 _SYMBOLS = {
-    "\u2212": "-", "\u03c0": "\\pi ", "\u221e": "\\infty ", "\u221a": "\\sqrt", "\u00d7": "\\times ",
+    "\u2212": "-", "\u03c0": "\\pi ", "\u221e": "\\infty ", "\u221a": "\\sqrt ",
+    "\u00d7": "\\times ",
     "\u22c5": "\\cdot ", "\u00b7": "\\cdot ", "\u00f7": "/", "\u2044": "/", "\u2264": "\\le ",
     "\u2265": "\\ge ", "\u2260": "\\ne ", "\u00b0": "^\\circ ", "\u00bd": "1/2", "\u2153": "1/3",
     "\u2154": "2/3", "\u00bc": "1/4", "\u00be": "3/4", "\r": "\n",
@@ -102,10 +104,13 @@ what a 10 kB one does); boxes are matched by a running brace depth over a bounde
 # "answer:" counts where it opens a line only: mid-sentence it is prose ("we may check our
 # answer: 17 * 44 = 748", as three MATH-500 solutions write after their box).
 _ANSWER_RE = re.compile(
-    r"(?:^[ \t*_#>]*(?i:(?:final[ \t]+)?answer)|(?<![A-Za-z])(?:Answer|ANSWER))[ \t*_]*:", re.MULTILINE
+    r"(?:^[ \t*_#>]*(?i:(?:final[ \t]+)?answer)|(?<![A-Za-z])(?:Answer|ANSWER))[ \t*_]*:",
+    re.MULTILINE,
 )
-# The same opening a line: the format term's "the last line is Answer: ..." (format_reward).
-_ANSWER_LINE_RE = re.compile(r"^[ \t*_#>]*(?:final[ \t]+)?answer[ \t*_]*:", re.IGNORECASE | re.MULTILINE)
+# Any case, opening a line: the format term's "the last line is Answer: ..." (format_reward).
+_ANSWER_LINE_RE = re.compile(
+    r"^[ \t*_#>]*(?:final[ \t]+)?answer[ \t*_]*:", re.IGNORECASE | re.MULTILINE
+)
 _NON_SPACE = re.compile(r"\S")
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])[ \t]*")
 _BARE_BOX_ARG = re.compile(r"[^\s${}]+")
@@ -212,6 +217,7 @@ def extract_answer(text: str) -> str | None:
     except Exception:
         return None
 
+
 # ---------------------------------------------------------------------------------------------
 # Normalisation
 
@@ -246,7 +252,7 @@ _LOG_BASE = re.compile(r"\\log_([0-9A-Za-z]) ")  # \log_2 8: the space ends the 
 _FRAC_SHORT1 = re.compile(r"\\frac([0-9A-Za-z])")  # \frac12 -> \frac{1}2
 _FRAC_SHORT2 = re.compile(r"\\frac(\{[^{}]*\})([0-9A-Za-z])")  # \frac{1}2 -> \frac{1}{2}
 _SQRT_SHORT = re.compile(r"\\sqrt([0-9A-Za-z])")  # \sqrt3 -> \sqrt{3}
-_SCRIPT_BRACE = re.compile(r"([\^_])\{([0-9A-Za-z])\}(?![0-9A-Za-z])")  # x^{2} -> x^2, not \log_{2}8
+_SCRIPT_BRACE = re.compile(r"([\^_])\{([0-9A-Za-z])\}(?![0-9A-Za-z])")  # x^{2} -> x^2; \log_{2}8
 _RELATION = re.compile(r"\\(le|ge|ne)q(?![A-Za-z])")  # \leq -> \le
 _CHOICE = re.compile(r"\(([A-Za-z])\)")  # (C) -> C
 _WORDS = re.compile(r"[A-Za-z]{2,}(?:,[A-Za-z]{2,})*")  # "Sunday", "yes,no"
@@ -261,8 +267,10 @@ _UNITS = frozenset("""
 """.split())
 _SHORT_UNITS = frozenset("m g s l h".split())  # only when separated by a space: "5 m", not "2m"
 # Words after a number that are part of its value, not a noun to drop: "3 million" is not 3.
-_NUMBER_WORDS = frozenset("hundred hundreds thousand thousands million millions billion billions "
-                          "trillion dozen dozens score half halves third thirds quarter quarters".split())
+_NUMBER_WORDS = frozenset("""
+    hundred hundreds thousand thousands million millions billion billions trillion dozen dozens
+    score half halves third thirds quarter quarters
+""".split())
 
 
 def _strip_units(s: str) -> str:
@@ -356,13 +364,14 @@ def normalize_answer(answer: str) -> str:
         s = s.lower()
     return s
 
+
 # ---------------------------------------------------------------------------------------------
 # Equivalence
 
 """Equivalence: two normalised answers are equal if their strings are; else if both are plain
 numbers, exactly (Fractions: 1,000 = 1000.0 = 1e3, 0.5 = 1/2); else if both parse (`_Parser`, our
 own recursive descent) into trees that `_match`: scalars agree at shared random points (exactly
-while the arithmetic stays rational, else as complex floats within REL_TOL), tuples, points and
+while the arithmetic stays rational, else as floats within their error bounds), tuples, points and
 intervals item by item with the same brackets, sets and solution lists in any order, matrices
 entry by entry, equations up to a constant factor. Anything unparsed, over a limit or undefined
 is unequal; a plain number keeps MAX_DIGITS digits and |exponent| <= MAX_EXPONENT."""
@@ -433,12 +442,10 @@ def _parse_number(s: str) -> Fraction | None:
     return None
 
 
-
-
 # Reading an answer: tokens, then a tree of tuples
 
 class _Fail(Exception):
-    """Outside the answer grammar, or over a limit: the answers are unequal (unless equal strings)."""
+    """Outside the answer grammar, or over a limit: unequal answers (unless equal strings)."""
 
 
 class _Undefined(ArithmeticError):
@@ -454,9 +461,9 @@ _TOKEN = re.compile(
 )
 _FUNCTION_WORDS = frozenset("sin cos tan cot sec csc ln log exp sqrt".split())  # "sin x" = "\sin x"
 _GREEK = frozenset(
-    r"\alpha \beta \gamma \delta \epsilon \varepsilon \zeta \eta \theta \vartheta \kappa \lambda \mu"
-    r" \nu \xi \rho \sigma \tau \phi \varphi \chi \psi \omega \Gamma \Delta \Theta \Lambda \Xi"
-    r" \Sigma \Phi \Psi \Omega".split()
+    r"\alpha \beta \gamma \delta \epsilon \varepsilon \zeta \eta \theta \vartheta \kappa \lambda"
+    r" \mu \nu \xi \rho \sigma \tau \phi \varphi \chi \psi \omega \Gamma \Delta \Theta \Lambda"
+    r" \Xi \Sigma \Phi \Psi \Omega".split()
 )
 _CONSTANTS = {"\\pi": ("c", "pi"), "e": ("c", "e"), "i": ("c", "i"), "\\infty": ("inf",)}
 _FUNCTIONS = {  # name: (function, derivative), on complex floats
@@ -571,7 +578,9 @@ class _Parser:
         if tok == "=":
             self.pos += 1
             right = self.union()
-            return self.node("assign", left[1], right) if left[0] == "v" else self.node("eq", left, right)
+            if left[0] == "v":
+                return self.node("assign", left[1], right)
+            return self.node("eq", left, right)
         if tok == "\\in" and left[0] == "v":  # x \in [1, 2]
             self.pos += 1
             return self.union()
@@ -730,7 +739,7 @@ class _Parser:
         return self.node("v", letter + "_" + "".join(sub))
 
     def bracket(self, opener: str) -> tuple:
-        """( items ) or [ items ]: a tuple, point or interval with two or more items, else a group."""
+        """( items ) or [ items ]: a tuple, point or interval if two items or more, else a group."""
         items = self.items()
         closer = self.take(")", "]")
         if len(items) > 1:
@@ -740,7 +749,7 @@ class _Parser:
         return items[0]
 
     def function(self, name: str) -> tuple:
-        """\\sin x, \\sin 2x (= \\sin(2x)), \\sin^2 x (= (\\sin x)^2), \\sin^{-1} x, \\log_2 8, \\ln(x)."""
+        """\\sin x, \\sin 2x (= \\sin(2x)), \\sin^2 x (= (\\sin x)^2), \\sin^{-1} x, \\log_2 8."""
         base = exponent = None
         if name == "\\log" and self.peek() == "_":
             self.pos += 1
@@ -802,7 +811,8 @@ def _shape(tree: tuple) -> tuple:
     """One form per compound answer: "x = 1, y = 2" is the point (1, 2), "x = 2, x = 3" a list of
     solutions, a one-element set its element, "y = 5" and "(x, y) = (1, 2)" their values."""
     kind = tree[0]
-    if kind == "assign" or (kind == "eq" and tree[1][0] == "seq" and all(t[0] == "v" for t in tree[1][3])):
+    named = kind == "eq" and tree[1][0] == "seq" and all(t[0] == "v" for t in tree[1][3])
+    if kind == "assign" or named:
         return _shape(tree[-1])  # "y = 5", "(x, y) = (1, 2)": the value
     if kind in ("list", "set"):
         names = [t[1] for t in tree[1] if t[0] == "assign"]
@@ -973,7 +983,8 @@ def _power(base, exponent):
     if not z:
         raise _Undefined  # underflow
     log_x = cmath.log(x)
-    return _float(z, abs(z) * (abs(y) * ex / (abs(x) - ex) + abs(log_x) * ey + U * (abs(y * log_x) + 4)))
+    relative = abs(y) * ex / (abs(x) - ex) + abs(log_x) * ey + U * (abs(y * log_x) + 4)
+    return _float(z, abs(z) * relative)
 
 
 def _root(index, radicand):
@@ -999,12 +1010,15 @@ def _factorial(n):
 
 
 def _binomial(n, k):
-    if not all(isinstance(x, Fraction) and x.denominator == 1 for x in (n, k)) or not 0 <= n <= 1000:
+    integers = all(isinstance(x, Fraction) and x.denominator == 1 for x in (n, k))
+    if not integers or not 0 <= n <= 1000:
         raise _Undefined
     return _small(Fraction(math.comb(int(n), int(k)) if k >= 0 else 0))
 
 
-_CONSTANT_VALUES = {"pi": (complex(math.pi), U * math.pi), "e": (complex(math.e), U * math.e), "i": (1j, 0.0)}
+_CONSTANT_VALUES = {
+    "pi": (complex(math.pi), U * math.pi), "e": (complex(math.e), U * math.e), "i": (1j, 0.0),
+}
 _BINARY = {"+": _add, "*": _mul, "/": _div, "^": _power, "root": _root, "binom": _binomial}
 
 
@@ -1022,7 +1036,8 @@ class _Values:
     def __init__(self, names: set[str], seed: str):
         rng = random.Random(seed)
         count = POINTS if names else 1
-        self.points = [{name: _random_rational(rng) for name in sorted(names)} for _ in range(count)]
+        self.points = [{name: _random_rational(rng) for name in sorted(names)}
+                       for _ in range(count)]
         self.work = 0
         self.cache = {}
 
@@ -1062,7 +1077,8 @@ class _Values:
         if kind == "f":
             return _apply(node[1], self.value(node[2], point))
         if kind == "log":
-            return _div(_apply("\\ln", self.value(node[2], point)), _apply("\\ln", self.value(node[1], point)))
+            argument, base = self.value(node[2], point), self.value(node[1], point)
+            return _div(_apply("\\ln", argument), _apply("\\ln", base))
         raise _Undefined  # infinity, a tuple or a set inside arithmetic
 
 
@@ -1174,7 +1190,7 @@ def _match(a: tuple, b: tuple, values: _Values) -> bool:
 
 def _equivalent(a: str, b: str) -> bool:
     """Whether two normalised answers are the same mathematics: parsed, shaped, then matched."""
-    if len(a) > MAX_PARSE_CHARS or len(b) > MAX_PARSE_CHARS or _WORDS.fullmatch(a) or _WORDS.fullmatch(b):
+    if max(len(a), len(b)) > MAX_PARSE_CHARS or _WORDS.fullmatch(a) or _WORDS.fullmatch(b):
         return False  # too long to parse, or words ("no" is not n * o)
     try:
         x, y = _read(a), _read(b)
@@ -1235,6 +1251,7 @@ def is_correct(response: str, truth) -> bool:
         return answers_equal(extract_answer(response), truth)
     except Exception:
         return False
+
 
 # ---------------------------------------------------------------------------------------------
 # Shaping terms
