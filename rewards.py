@@ -4,7 +4,7 @@ A completion scores as in DAPO (arXiv 2503.14476): +1 if its final answer is equ
 ground truth, -1 otherwise (eq. 7), plus the soft overlong punishment (eq. 13) when it ran long.
 `math_reward` adds this codebase's optional terms and returns `(reward, components)`.
 
-Verification reads top to bottom (the README's "Answer checking" has every rule):
+Verification reads top to bottom (the README's "Answer checking" explains the choices):
   extraction     `extract_answer`: the answer the response commits to last ("Answer: X" anywhere,
                  or a \\boxed{} after it; then <answer>, \\boxed{}, "#### X", the last number);
   normalisation  `normalize_answer`: one canonical string (LaTeX spacing, \\text, units, "x =");
@@ -13,11 +13,10 @@ Verification reads top to bottom (the README's "Answer checking" has every rule)
                  intervals, matrices) whose values agree at random points.
 
 Safety, because the policy is optimised against this code: nothing evaluates text as code (no
-eval, exec or sympy: a tree of tuples is computed by our own arithmetic on Fractions and complex
-floats), the public functions never raise, and every step is bounded (text tail, answer length,
-tree size and depth, exponent and bit sizes, node evaluations), so hostile input costs milliseconds.
-
-Tests: `python -m pytest tests/test_rewards.py -q`; benchmark: `python tests/bench_answers.py`.
+eval, exec or sympy: our own arithmetic computes a tree of tuples), the public functions never
+raise, and every step is bounded (text tail, answer length, tree size and depth, exponent and bit
+sizes, node evaluations). Tests: `python -m pytest tests/test_rewards.py -q`; benchmark against
+math-verify: `python tests/bench_answers.py`.
 """
 
 from __future__ import annotations
