@@ -17,8 +17,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import rewards  # noqa: E402
 from rewards import (  # noqa: E402
-    extract_answer, format_reward, is_correct, math_reward, normalize_answer, overlong_penalty,
-    perplexity_penalty, xml_terms,
+    answers_equal, extract_answer, format_reward, is_correct, math_reward, normalize_answer,
+    overlong_penalty, perplexity_penalty, xml_terms,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +110,7 @@ CASES = [
     ("\\boxed 5", "5", True),
     ("\\boxed{\\text{(C)}}", "C", True),
     ("\\boxed{x^{2}}", "x^2", True),
-    ("\\boxed{{{7}}}", "7", False),  # groups are kept, "{{7}}" is not 7
+    ("\\boxed{{{7}}}", "7", True),  # redundant braces group nothing (issue 10: was False)
     # GSM8K "#### X"
     ("She pays 3 * 4 = 12 dollars.\n#### 12", "12", True),
     ("#### 1,000", "1000", True),
@@ -224,6 +224,120 @@ def test_is_correct_table(response, truth, expected):
 
 
 # ---------------------------------------------------------------------------------------------
+# Equivalence: the judged table (tests/answer_cases.py) and the parts behind it
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from answer_cases import CASES as JUDGED  # noqa: E402
+
+
+def test_judged_table_size():
+    assert len(JUDGED) >= 300
+    assert sum(not verdict for _, _, verdict, _ in JUDGED) >= len(JUDGED) / 3
+
+
+@pytest.mark.parametrize("response, truth, verdict, reason", JUDGED,
+                         ids=[f"{i}:{case[3]}" for i, case in enumerate(JUDGED)])
+def test_judged_table(response, truth, verdict, reason):
+    assert is_correct(response, truth) is verdict, (reason, extract_answer(response))
+
+
+def test_equivalence_is_symmetric_and_repeatable():
+    for response, truth, verdict, _ in JUDGED[::3]:
+        answer = extract_answer(response)
+        if answer:
+            assert answers_equal(answer, truth) == answers_equal(truth, answer) == answers_equal(answer, truth)
+
+
+F = rewards.Fraction
+
+
+@pytest.mark.parametrize("text, tree", [
+    ("2x+1", ("+", ("*", ("n", 2), ("v", "x")), ("n", 1))),
+    ("-x^2", ("neg", ("^", ("v", "x"), ("n", 2)))),
+    ("2^10", ("^", ("n", 2), ("n", 10))),  # a whole number after ^, as plain text means
+    ("2\\frac{1}{2}", ("n", F(5, 2))),  # a mixed number
+    ("1/2x", ("*", ("/", ("n", 1), ("n", 2)), ("v", "x"))),  # left to right
+    ("\\sin^2x", ("^", ("f", "\\sin", ("v", "x")), ("n", 2))),
+    ("\\sqrt[3]{x}", ("root", ("n", 3), ("v", "x"))),
+    ("x_{10}y", ("*", ("v", "x_10"), ("v", "y"))),
+    ("(1,2]", ("seq", "(", "]", [("n", 1), ("n", 2)])),
+    ("x\\ge2", ("seq", "[", ")", [("n", 2), ("inf",)])),
+    ("x=2,x=3", ("list", [("n", 2), ("n", 3)])),
+    ("x=1,y=2", ("seq", "(", ")", [("n", 1), ("n", 2)])),
+    ("1\\pm2", ("set", [("+", ("n", 1), ("n", 2)), ("+", ("n", 1), ("neg", ("n", 2)))])),
+    ("\\{3\\}", ("n", 3)),  # a one-element set is its element
+    ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", ("mat", [[("n", 1), ("n", 2)], [("n", 3), ("n", 4)]])),
+    ("1,000", ("n", 1000)),  # a thousand, not the list 1, 0
+])
+def test_parser_trees(text, tree):
+    assert rewards._read(text) == tree
+
+
+@pytest.mark.parametrize("text", [
+    "abc", "2**3", "(1,2", "\\frac{1}", "x==2", "1+", "\\unknown", "(5]", "\\begin{pmatrix}1&2\\\\3\\end{pmatrix}",
+    "(" * 100 + "1" + ")" * 100, "+".join(["x"] * 300), "1" + "0" * 200,
+])
+def test_parser_refuses(text):
+    with pytest.raises(rewards._Fail):
+        rewards._read(text)
+
+
+def test_exact_values():
+    assert rewards._power(F(-8), F(1, 3)) == F(-2)  # a real odd root
+    assert rewards._power(F(4, 9), F(3, 2)) == F(8, 27)
+    assert rewards._power(F(2), F(-3)) == F(1, 8)
+    z, err = rewards._power(F(2), F(1, 2))  # irrational: a float and its error bound
+    assert abs(z - math.sqrt(2)) < 1e-15 and 0 < err < 1e-14  # a few units of rounding
+    assert rewards._power(F(-4), F(1, 2)) == (2j, rewards._power(F(-4), F(1, 2))[1])
+    with pytest.raises(ArithmeticError):
+        rewards._power(F(0), F(-1))
+    with pytest.raises(ArithmeticError):  # 2^(2^100) is no float
+        rewards._power(F(2), F(2) ** 100)
+    with pytest.raises(ArithmeticError):  # the divisor may be 0
+        pi = rewards._CONSTANT_VALUES["pi"]
+        rewards._div(F(1), rewards._add(pi, rewards._neg(pi)))
+
+
+@pytest.mark.parametrize("a, b, equal", [
+    ("\\cos\\frac{\\pi}{2}", "0", True),  # 6e-17 within its error bound of 0
+    ("e^{i\\pi}+1", "0", True),
+    ("10^{-13}\\pi", "0", False),  # tiny, but certainly not 0
+    ("10^{30}\\pi-10^{30}\\pi+7", "7", False),  # 7 give or take 10^15: equal to nothing
+    ("10^{30}\\pi-10^{30}\\pi+7", "8", False),
+    ("2^{-3000}", "0", False),  # underflow is no value
+    ("\\tan\\frac{\\pi}{2}", "10^{16}", False),  # a pole
+    ("1.41421356237", "\\sqrt{2}", False),  # 11 digits
+    ("(x-1)(x-2)(x-3)(x-4)(x-5)(x-6)+x", "x", False),  # agree at six integers, not at random points
+    ("\\frac{x^2-1}{x-1}", "x+1", True),  # undefined at one point only
+])
+def test_float_agreement(a, b, equal):
+    assert answers_equal(a, b) is equal
+
+
+def test_work_is_counted_and_bounded(monkeypatch):
+    """Count work, not seconds (robust on a loaded CI machine): no comparison evaluates more than
+    MAX_WORK nodes and pairs; a comparison that would is unequal, never an error."""
+    most = [0]
+    spend = rewards._Values.spend
+
+    def counting(self):
+        most[0] = max(most[0], self.work + 1)
+        spend(self)
+
+    monkeypatch.setattr(rewards._Values, "spend", counting)
+    members = [f"\\sqrt{{{k}}}x^2" for k in range(2, 30)]  # 28 float members, 6 points, matched pairwise
+    heavy = ["\\{" + ",".join(members) + "\\}", "\\{" + ",".join(reversed(members)) + "\\}"]
+    assert answers_equal(*heavy) is False  # equal sets, but past the budget: unequal
+    assert most[0] == rewards.MAX_WORK + 1
+    most[0] = 0
+    assert answers_equal(heavy[0].replace(",\\sqrt{29}x^2", ""), heavy[1].replace("\\sqrt{29}x^2,", ""))
+    assert most[0] < rewards.MAX_WORK  # one member fewer fits
+    most[0] = 0
+    assert answers_equal("(x+1)^2", "x^2+2x+1")
+    assert most[0] == 6 * (5 + 9) + 1  # 6 points x (5 + 9 nodes), and one pair
+
+
+# ---------------------------------------------------------------------------------------------
 # Extraction details
 
 
@@ -246,6 +360,23 @@ def test_extraction_forms():
     assert extract_answer("Answer: 7\n\n") == "7"
     assert extract_answer("so 1/2 of it") == "1/2"
     assert extract_answer("it was -0.25 today") == "-0.25"
+
+
+def test_extraction_last_answer_anywhere():
+    """The answer a response commits to last (issue 10): "Answer:" anywhere, as DAPO's checker reads
+    it (the old rule took only an "Answer:" opening a line, so a self-correction mid-sentence lost to
+    the first answer); a box after the answer's line is a later commitment; a lower-case "answer:"
+    mid-sentence is prose."""
+    assert extract_answer("Answer: 7\nWait, I made an error. Answer: 9") == "9"
+    assert extract_answer("Answer: 7 and so the Final Answer: 8") == "8"
+    assert extract_answer("ANSWER: 4") == "4"
+    assert extract_answer("Answer: 7\nOn reflection $\\boxed{9}$") == "9"
+    assert extract_answer("$\\boxed{9}$. Answer: 7") == "7"
+    assert extract_answer("Answer: $\\boxed{5}$ cm") == "5"
+    assert extract_answer("\\boxed{44}.\nWe may check our answer: 17 * 44 = 748") == "44"
+    assert extract_answer("final answer: 3\nthen 4") == "3"  # lower case opening a line counts
+    assert extract_answer("my answer: 3\nthen 4") == "4"  # mid-sentence it does not
+    assert extract_answer("Answer:   \n  12") == "12"  # DAPO's \\s* after the colon
 
 
 def test_extraction_reads_only_the_tail():
@@ -386,7 +517,8 @@ def test_source_never_evaluates_text():
             imported |= {a.name.split(".")[0] for a in n.names}
         elif isinstance(n, ast.ImportFrom):
             imported.add(n.module.split(".")[0])
-    assert imported <= {"__future__", "math", "re", "fractions", "decimal", "itertools", "unicodedata"}
+    assert imported <= {"__future__", "cmath", "math", "random", "re", "fractions", "decimal", "itertools",
+                        "unicodedata"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,7 +553,9 @@ def test_gsm8k_reference_solutions_verify():
 # Fuzz: 10,000 random and hostile strings, no exception, no slow call
 
 CALL_BUDGET_S = 0.020  # acceptance: no single call over 20 ms (the code takes a few ms at worst)
-TRUTHS = ["5", "-3", "1000", "\\frac{1}{2}", "(1,2)", "\\sqrt{3}", "x^2+1", "Sunday", "#### 7", 12, 0.5]
+TRUTHS = ["5", "-3", "1000", "\\frac{1}{2}", "(1,2)", "\\sqrt{3}", "x^2+1", "Sunday", "#### 7", 12, 0.5,
+          "(x+1)^2", "\\{1,2,3\\}", "[0,1)", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", "2\\sqrt{3}",
+          "\\frac{\\pi}{2}", "1\\pm\\sqrt{2}", "e^{i\\pi}", "x+y=1", "(-\\infty,1)\\cup(2,\\infty)"]
 PIECES = ["Answer:", "answer: ", "\\boxed{", "\\fbox{", "}", "{", "\\{", "\\}", "\\\\", "####", "\n",
           "\\frac{", "\\dfrac", "\\sqrt", "\\text{", "\\left(", "\\right)", "^\\circ", "\\%", "$",
           "1,000", "0.5", "-", "/", "e", "10^{", "x =", " cm", "<think>\n", "</think>", "<answer>",
@@ -464,8 +598,50 @@ def _hostile(rng: random.Random, blob: str) -> str:
         return "Answer: " + deep
     if kind == 12:
         return "<think>\n" * (n // 8) + "\n</think>\n<answer>\n" * (n // 20) + "\n</answer>"
+    if kind in (13, 14, 15):  # answers the equivalence parser reads: nested, huge, long, random
+        return rng.choice(["Answer: $", "\\boxed{", ""]) + _hostile_math(rng) + rng.choice(["$", "}", ""])
     # random soup of the pieces the parsers look for
     return "".join(rng.choice(PIECES) for _ in range(rng.randrange(1, 400)))
+
+
+MATH_ATOMS = ["x", "y", "a_1", "\\pi", "e", "i", "2", "1999", "0.5", "\\theta", "1e50", "0", "\\infty"]
+MATH_FORMS = ["{}+{}", "{}-{}", "{}{}", "{}\\cdot {}", "\\frac{{{}}}{{{}}}", "({})^{{{}}}", "\\sqrt{{{}}}{}",
+              "\\sqrt[{}]{{{}}}", "\\sin({})+{}", "\\ln({}){}", "({})!{}", "|{}|{}", "\\binom{{{}}}{{{}}}",
+              "({}, {})", "\\{{{}, {}\\}}", "[{}, {})", "{}={}", "{}\\pm {}", "{} < {}"]
+
+
+def _expression(rng: random.Random, depth: int) -> str:
+    """A random answer in the equivalence parser's grammar (and slightly outside it)."""
+    if depth <= 0 or rng.random() < 0.2:
+        return rng.choice(MATH_ATOMS)
+    return rng.choice(MATH_FORMS).format(_expression(rng, depth - 1), _expression(rng, depth - 1))
+
+
+def _hostile_math(rng: random.Random) -> str:
+    """Hostile answers for the parser and the evaluator: deep nesting, huge exponents, thousands of
+    terms or members, big matrices, many signs, and random expressions."""
+    n = rng.choice([5, 30, 60, 200, 1_000, 5_000])
+    kind = rng.randrange(6)
+    if kind == 0:  # deep nesting
+        return rng.choice(["\\frac{1}{" * n + "x" + "}" * n, "(" * n + "1" + ")" * n, "\\sqrt{" * n + "2" + "}" * n,
+                           "{" * n + "7" + "}" * n, "-" * n + "1", "x^{" * n + "2" + "}" * n, "|" * n,
+                           "\\sin(" * n + "x" + ")" * n, "\\{" * n + "1" + "\\}" * n])
+    if kind == 1:  # huge exponents and values
+        return rng.choice(["2^{2^{100}}", "(x+1)^{10^{9}}", "10^{10^{10}}", "x^{99999999999}", "2^{-3000}",
+                           "\\sqrt[10^{9}]{2}", "e^{e^{e^{e^{99}}}}", "300!", "99999!", "\\binom{10^{9}}{5}",
+                           "(\\frac{1999}{1997}x)^{90}\\cdot(\\frac{1997}{1993}y)^{90}", "\\pi^{-700}",
+                           "10^{30}\\pi-10^{30}\\pi+7", "(1+i)^{10^{6}}", "\\tan(\\frac{\\pi}{2})",
+                           "+".join(["(1999x)^{90}"] * 30)])  # the slowest we found: big exact powers
+    if kind == 2:  # thousands of terms, members, factors
+        sep = rng.choice(["+", ",", "\\cdot ", "", "\\pm ", "\\cup "])
+        return sep.join(rng.choice(["x", "\\sqrt{2}", "(x+1)", "[0,1]", "2", "\\frac{1}{3}"]) for _ in range(n))
+    if kind == 3:  # matrices, wide and tall
+        rows = "\\\\".join("&".join(_expression(rng, 1) for _ in range(rng.choice([1, 3, 20]))) for _ in range(n // 5 + 1))
+        return "\\begin{pmatrix}" + rows + "\\end{pmatrix}"
+    if kind == 4:  # sets of many random members, as written and shuffled
+        members = [_expression(rng, 2) for _ in range(min(n, 80))]
+        return "\\{" + ",".join(members) + "\\}"
+    return _expression(rng, rng.randrange(1, 10))
 
 
 def _timed(fn, *args, **kwargs):
@@ -475,8 +651,8 @@ def _timed(fn, *args, **kwargs):
 
 
 def test_fuzz_hostile_inputs():
-    """10,000 seeded random and hostile strings through extract_answer, is_correct, math_reward and
-    normalize_answer: nothing raises, results have the right types, and the slowest call is under
+    """10,000 seeded random and hostile strings through extract_answer, is_correct, math_reward,
+    normalize_answer and answers_equal (two hostile answers the parser reads): nothing raises, results have the right types, and the slowest call is under
     20 ms. A call over 2 ms is timed three more times and its fastest time kept, so a busy machine
     (a context switch, a GC pause) cannot fail the test but a slow algorithm still does."""
     rng = random.Random(1234)
@@ -492,16 +668,17 @@ def test_fuzz_hostile_inputs():
                                               format_weight=0.5, length=18, max_len=20, cache_len=5,
                                               mean_nll=2.2, ppl_threshold=2.0, ppl_window=0.5)),
             (normalize_answer, (text[:rewards.MAX_ANSWER_CHARS],), {}),
+            (answers_equal, (_hostile_math(rng), _hostile_math(rng)), {}),
         ]
         for fn, args, kwargs in calls:
             dt, out = _timed(fn, *args, **kwargs)
             if dt > CALL_BUDGET_S / 10:  # re-time slow calls: keep algorithmic cost, drop machine noise
                 dt = min([dt] + [_timed(fn, *args, **kwargs)[0] for _ in range(3)])
             if dt > worst[0]:
-                worst = (dt, fn.__name__, repr(text[:60]))
+                worst = (dt, fn.__name__, repr(args[0])[:60])
             if fn is extract_answer:
                 assert out is None or isinstance(out, str)
-            elif fn is is_correct:
+            elif fn in (is_correct, answers_equal):
                 assert type(out) is bool
             elif fn is math_reward:
                 reward, comps = out
