@@ -155,7 +155,7 @@ class Run:
 
 def train_step(run, progress):
     """One training step, numbered as in the module docstring. -> (progress after it, its log row,
-    the trained batch)"""
+    a few of its completions for samples.jsonl)"""
     args = run.args
     for group in run.optimizer.param_groups:
         group["lr"] = lr_at(progress.step, args)
@@ -189,7 +189,8 @@ def train_step(run, progress):
                        prompt_accuracy=shared_prompt_accuracy(run, progress, sampled)
                        if args.adaptive_budget else {})
     row["train_seconds"] = progress.train_seconds
-    return progress, row, batch
+    shown = batch if batch.tokens else (sampled or [batch])[0]  # every group dropped: round 1's
+    return progress, row, sample_lines(run, shown, progress.step)
 
 
 # ---- 1-2: sample, reward, filter ----------------------------------------------------------------
@@ -627,8 +628,9 @@ def peak_memory_mib(args):
 
 
 def sample_lines(run, batch, step):
-    """A few of the step's trained completions with their rewards, for samples.jsonl: what the
-    model actually says as it learns."""
+    """A few of the step's completions with their rewards and advantages, for samples.jsonl:
+    what the model actually says as it learns. (When every group was dropped, the first round's,
+    whose advantages are all 0.)"""
     starts = batch.group_starts()
     lines = []
     for i in range(min(run.args.log_samples, len(batch.tokens))):
@@ -636,7 +638,8 @@ def sample_lines(run, batch, step):
         lines.append({"step": step, "prompt": batch.records[group]["prompt"],
                       "answer": batch.records[group]["answer"],
                       "completion": run.tokenizer.decode(batch.tokens[i], skip_special_tokens=True),
-                      "reward": batch.rewards[i], "advantage": batch.advantages[i],
+                      "reward": batch.rewards[i],
+                      "advantage": batch.advantages[i] if batch.advantages else 0.0,
                       "truncated": batch.truncated[i], **batch.reward_parts[i]})
     return lines
 
@@ -676,7 +679,7 @@ def main(argv=None):
     limit = args.time_limit * 60 or math.inf  # seconds of training; 0: none
     last_save, over_time = time.monotonic(), progress.train_seconds > limit  # (a resumed run)
     while progress.step < args.steps and not over_time:
-        progress, row, batch = train_step(run, progress)
+        progress, row, examples = train_step(run, progress)
         # Every rank must stop at the same step (or the others hang in the next collective), and
         # their clocks differ (rank 0 alone evaluates): the decisions are maxed over ranks.
         flags = reduce_metrics({}, {
@@ -690,7 +693,7 @@ def main(argv=None):
             continue
         if rank0:
             runs.append_line(os.path.join(args.out, "metrics.jsonl"), row)
-            for line in sample_lines(run, batch, progress.step):
+            for line in examples:
                 runs.append_line(os.path.join(args.out, "samples.jsonl"), line)
             bar.update(1)
             bar.set_postfix_str(f"acc {row['accuracy']:.2f} kept {row['groups_kept']}/"
