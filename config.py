@@ -91,10 +91,11 @@ def model_flags(g):
 
 def data_flags(g):
     g.add_argument("--data", default="arithmetic",
-                   help="gsm8k, math500, aime24, dapo-math-17k, arithmetic[:key=value,...] or a "
+                   help="gsm8k, math500, aime24, dapo-math-17k, arithmetic[:key=value,...], "
+                        "memory[:key=value,...] (episodes.py) or a "
                         ".jsonl/.json/.parquet file")
     g.add_argument("--template", default=None, choices=list(data.TEMPLATES),
-                   help="prompt template (default: none for arithmetic, dapo otherwise)")
+                   help="prompt template (default: none for arithmetic and memory, dapo otherwise)")
     g.add_argument("--eval-data", default=None,
                    help="held-out data (default: the arithmetic held-out split, or none)")
     g.add_argument("--eval-limit", type=int, default=200, help="held-out problems per evaluation")
@@ -198,7 +199,7 @@ def parse_config(argv=None):
         saved = read_saved_config(args.resume, parser)
     else:
         saved = dict(dapo.PRESETS[args.preset])
-        if args.model is None and args.preset == "dapo":
+        if args.model is None and args.preset in ("dapo", "dapo-memory"):
             saved.update(CPU_DEFAULTS)  # the offline default run (see CPU_DEFAULTS)
     for key, value in saved.items():
         if key not in explicit:
@@ -274,6 +275,9 @@ def check_config(args, parser):
         if getattr(args, key) and not refills:
             parser.error(f"--{key.replace('_', '-')} acts in refill rounds: it needs "
                          f"--dynamic-sampling and --max-refills >= 1 (got {args.max_refills})")
+    if args.algo == "dpo" and str(args.data).startswith("memory"):
+        parser.error("--algo dpo pairs single completions; the memory task's episodes have "
+                     "several turns: use a policy-gradient preset (dapo-memory)")
     if args.ref == "lora-off" and args.lora_rank == 0 and (args.kl != "none" or args.algo == "dpo"):
         parser.error("--ref lora-off needs --lora-rank > 0")
 

@@ -332,6 +332,8 @@ PRESET_KEYS = {
     "dpo_beta", "dpo_pairs",
     # optimisation
     "lr", "warmup_steps", "weight_decay", "grad_clip", "mini_batches", "tis_cap",
+    # the task (a preset made for one, as dapo-memory)
+    "data", "max_new_tokens",
 }
 
 # DAPO's run (paper §4.1): AdamW, lr 1e-6 constant after a 20-step warm-up, weight decay 0.1, grad
@@ -429,5 +431,9 @@ PRESETS: dict[str, dict] = {
     "dapo-ppl": {**_DAPO, "ppl_penalty": "replace", "overlong_penalty": False,
                  "ppl_threshold": math.log(4.0), "ppl_window": math.log(4.0)},
     "dapo-adaptive-budget": {**_DAPO, "adaptive_budget": True},
+    # Long tasks in turns, carried by the model's own memory (episodes.py): a shop's diary read a
+    # page a turn; one outcome reward for the whole episode, given to every turn. A reply is a
+    # number after "Memory:" or "Answer:", so each turn's budget is small.
+    "dapo-memory": {**_DAPO, "data": "memory:pages=3", "max_new_tokens": 16},
     "dapo-balanced": {**_DAPO, "efficiency_weight": 0.1},
 }

@@ -121,6 +121,9 @@ def load_records(name_or_path, *, split="train", limit=None, tokenizer=None,
         source, records = name, _records_from_rows(_read_file(name), name, limit)
     elif name in HUB_DATASETS:
         source, records = _load_hub(name, split, limit)
+    elif name.split(":", 1)[0] == "memory":
+        raise DataError(f"{name}: the memory task's episodes have several turns; train.py "
+                        "evaluates them (eval.jsonl), this loader reads single-turn problems")
     elif name.split(":", 1)[0] == "arithmetic":
         task = ArithmeticTask.from_spec(name)
         source = task.spec()
@@ -696,11 +699,15 @@ def format_prompt(record, tokenizer, template="dapo"):
         messages = [{"role": "user", "content": record["prompt"]}]
     if template == "plain-question" or getattr(tokenizer, "chat_template", None) is None:
         question = "\n\n".join(m["content"] for m in messages if m["role"] != "assistant")
-        return list(tokenizer(f"Question: {question}\nAnswer:")["input_ids"])
+        text = f"Question: {question}\nAnswer:"
+        if record.get("reply_prefix"):  # the reply is written after it
+            text = f"Question: {question}\n{record['reply_prefix']}"
+        return list(tokenizer(text)["input_ids"])
     # Render to text, then tokenize: apply_chat_template(tokenize=True) returns a list in some
     # transformers versions and a BatchEncoding in others. The template already holds any BOS.
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    # A reply prefix (episodes.py: "Memory:") opens the assistant's turn; the model goes on from it.
+    return list(tokenizer(text + record.get("reply_prefix", ""), add_special_tokens=False)["input_ids"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -711,7 +718,8 @@ class PromptStream:
     """Endless batches of records; each rank gets its slice of every global batch.
 
     `source` is a list of records (shuffled anew each epoch with a generator seeded by
-    (seed, epoch)) or an ArithmeticTask (each global batch drawn with a generator seeded by
+    (seed, epoch)) or a task with `sample(n, rng)`, ArithmeticTask or episodes.MemoryTask
+    (each global batch drawn with a generator seeded by
     (seed, step)). The global batch at a step does not depend on world_size; rank r gets
     positions [r * B/W, (r + 1) * B/W) of it. The whole position is the step counter (plus the
     task's level), so `state_dict()` is a few integers and restoring it continues exactly.
@@ -723,7 +731,7 @@ class PromptStream:
                              f"{world_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
-        if not isinstance(source, ArithmeticTask) and not source:
+        if not hasattr(source, "sample") and not source:
             raise DataError("PromptStream: no records")
         self.source, self.batch_size, self.seed = source, batch_size, seed
         self.rank, self.world_size = rank, world_size
@@ -741,7 +749,7 @@ class PromptStream:
 
     def global_batch(self, step):
         """All ranks' records for `step` (a pure function of seed, step and the task's level)."""
-        if isinstance(self.source, ArithmeticTask):
+        if hasattr(self.source, "sample"):  # a task (arithmetic, episodes.MemoryTask)
             return self.source.sample(self.batch_size, random.Random(f"{self.seed}:{step}"))
         records = []
         for position in range(step * self.batch_size, (step + 1) * self.batch_size):

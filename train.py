@@ -20,7 +20,8 @@ reward (eq. 7), no KL term, and four changes, numbered as in dapo.py (the paper'
   4. Overlong reward shaping (eq. 13): truncated samples masked, or punished softly.
 
 One training step (`train_step`), numbered as the code below:
-  1. Sample G completions of each prompt and reward them (eq. 7, change 4's punishment).
+  1. Sample G completions of each prompt and reward them (eq. 7, change 4's punishment); a task
+     in turns (episodes.py) samples G episodes, rewarded by their outcome, a row per turn.
   2. Filter and refill the groups (change 2).
   3. Advantages within each group (eq. 9).
   4. Old log-probs: the trainer scores the batch before its first update (pi_old of eq. 10).
@@ -40,6 +41,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import os
@@ -57,31 +59,34 @@ from torch.utils.checkpoint import checkpoint
 import config
 import dapo
 import data
+import episodes
 import losses
 import rewards
 import runs
 from model import add_lora, cpu_has_bf16, load_model, lora_disabled, save_model, token_logprobs
-from rollout import generate, stop_token_ids
+from rollout import stop_token_ids
 
 # ---- the batch a step carries, and what a run holds ---------------------------------------------
 
 @dataclass(frozen=True)
 class Rollouts:
-    """G completions of each of several prompts, prompt-major: what a step carries from sampling
-    to the update. Every field holds one entry per completion, except `records` and `group_sizes`
-    (one per group); steps 3 and 4 return copies with `advantages` and `old_logprobs` filled in."""
+    """G episodes of each of several prompts, prompt-major, a row per completion (an episode of
+    several turns has a row per turn, consecutive): what a step carries from sampling to the
+    update. Every field holds one entry per row, except `records` and `group_sizes` (one per
+    group); steps 3 and 4 return copies with `advantages` and `old_logprobs` filled in."""
     records: list           # per group: the prompt's data record
-    group_sizes: list       # per group: its number of completions G_i (the adaptive budget varies it)
+    group_sizes: list       # per group: its rows (G_i episodes' turns; the adaptive budget varies G_i)
     prompts: list           # prompt token ids
     tokens: list            # completion token ids, ending with the stop token if one came
     sampler_logprobs: list  # the sampler's log-probs of those tokens
     truncated: list         # ran out of --max-new-tokens
-    rewards: list           # the reward, all terms included
-    correct: list           # the answer is right (what eq. 11 filters on)
+    rewards: list           # the episode's reward, all terms included
+    correct: list           # the episode's answer is right (what eq. 11 filters on)
     reward_parts: list      # every reward term by name, for the log
     stale: list             # sampled by the previous step's policy (--keep-surplus)
     advantages: list = None     # step 3
     old_logprobs: list = None   # step 4; None entries: on-policy (the update's own, detached)
+    turn: list = None       # its turn in its episode (episodes.py); None: every episode one turn
 
     @property
     def num_groups(self):
@@ -94,6 +99,22 @@ class Rollouts:
     def group_starts(self):
         """(groups,) where each group's completions start."""
         return [sum(self.group_sizes[:g]) for g in range(self.num_groups)]
+
+    def episode_starts(self):
+        """The rows that open an episode (its turns are the rows up to the next one): an episode's
+        outcome (rewards, correct) is on each of its turns, read once here."""
+        return [i for i, turn in enumerate(self.turn or [0] * len(self.tokens)) if turn == 0]
+
+    def episode_index(self):
+        """(N,) the episode of each completion."""
+        starts = set(self.episode_starts())
+        return [n - 1 for n in itertools.accumulate(int(i in starts) for i in range(len(self.tokens)))]
+
+    def episodes_per_group(self):
+        """(groups,) each group's number of episodes (its G; group_sizes counts turns)."""
+        starts = set(self.episode_starts())
+        return [sum(i in starts for i in range(first, first + size))
+                for first, size in zip(self.group_starts(), self.group_sizes)]
 
     def select(self, groups):
         """The groups at these indices, in this order."""
@@ -210,28 +231,40 @@ def reward_options(args, completion):
 
 
 def sample_and_reward(run, records, num_samples, seeds):
-    """Step 1: num_samples[i] completions of records[i] from the sampler, each rewarded."""
+    """Step 1: num_samples[i] episodes of records[i] from the sampler (one turn each for a math
+    problem, episodes.py), each rewarded by its last turn's answer; that outcome, with every
+    turn's overlong punishment (change 4 applies per turn), is the reward of all its turns."""
     args, tokenizer = run.args, run.tokenizer
-    prompts = [data.format_prompt(r, tokenizer, args.template) for r in records]
-    completions = generate(run.sampler.eval(), prompts, num_samples=num_samples,
-                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           top_p=args.top_p, stop_token_ids=run.stop_ids, seed=seeds)
-    group = [g for g, n in enumerate(num_samples) for _ in range(n)]  # (N,) prompt of each
-    scored = [rewards.math_reward(tokenizer.decode(c.tokens, skip_special_tokens=True),
-                                  records[g]["answer"], **reward_options(args, c))
-              for c, g in zip(completions, group)]
+    played = episodes.play(run.sampler.eval(), tokenizer, records, num_samples, seeds,
+                           template=args.template, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_p=args.top_p,
+                           stop_token_ids=run.stop_ids)
+    group = [g for g, n in enumerate(num_samples) for _ in range(n)]  # (E,) prompt of each episode
+    scored = [rewards.math_reward(turns[-1].text, records[g]["answer"],
+                                  **reward_options(args, turns[-1].completion))
+              for turns, g in zip(played, group)]
+    earlier = [sum(rewards.overlong_penalty(len(t.completion.tokens), args.max_new_tokens,
+                                            config.overlong_cache_tokens(args)) for t in turns[:-1])
+               if args.overlong_penalty else 0.0 for turns in played]  # (E,)
     correct = [parts["accuracy"] > 0 for _, parts in scored]
-    bonus = [0.0] * len(completions)
+    bonus = [0.0] * len(played)
     if args.efficiency_weight:  # balanced reasoning: short right answers score a little more
-        bonus = dapo.efficiency_bonus(correct, [len(c.tokens) for c in completions], num_samples,
-                                      args.efficiency_weight).tolist()
-    return Rollouts(records=list(records), group_sizes=list(num_samples),
-                    prompts=[prompts[g] for g in group], tokens=[c.tokens for c in completions],
-                    sampler_logprobs=[c.logprobs for c in completions],
-                    truncated=[c.finish_reason == "length" for c in completions],
-                    rewards=[r + b for (r, _), b in zip(scored, bonus)], correct=correct,
-                    reward_parts=[{**parts, "efficiency": b} for (_, parts), b in zip(scored, bonus)],
-                    stale=[False] * len(completions))
+        lengths = [sum(len(t.completion.tokens) for t in turns) for turns in played]
+        bonus = dapo.efficiency_bonus(correct, lengths, num_samples, args.efficiency_weight).tolist()
+    episode_rewards = [r + e + b for (r, _), e, b in zip(scored, earlier, bonus)]
+    parts = [{**p, "overlong": p["overlong"] + e, "efficiency": b}
+             for (_, p), e, b in zip(scored, earlier, bonus)]
+    rows = [(e, turn) for e, turns in enumerate(played) for turn in turns]  # (N,) episode-major
+    return Rollouts(records=list(records),
+                    group_sizes=[sum(len(played[e]) for e in range(len(played)) if group[e] == g)
+                                 for g in range(len(records))],
+                    prompts=[turn.prompt for _, turn in rows],
+                    tokens=[turn.completion.tokens for _, turn in rows],
+                    sampler_logprobs=[turn.completion.logprobs for _, turn in rows],
+                    truncated=[turn.completion.finish_reason == "length" for _, turn in rows],
+                    rewards=[episode_rewards[e] for e, _ in rows], correct=[correct[e] for e, _ in rows],
+                    reward_parts=[parts[e] for e, _ in rows], stale=[False] * len(rows),
+                    turn=[t for turns in played for t in range(len(turns))])
 
 
 def collect_rollouts(run, progress):
@@ -297,13 +330,16 @@ def adversarial_variants(run, batch):
 
 def with_advantages(run, batch):
     """Step 3: group-relative advantages (eq. 9, or the --adv-estimator)."""
-    rewards_ = torch.tensor(batch.rewards, dtype=torch.float64)  # (N,)
+    # One advantage per episode (the group: a prompt's G episodes), given to each of its turns.
+    rewards_ = torch.tensor([batch.rewards[i] for i in batch.episode_starts()],
+                            dtype=torch.float64)  # (E,)
+    sizes = batch.episodes_per_group()
     if run.args.adv_estimator == "reinforce_baseline":  # whitened over all ranks' samples
-        centred = dapo.group_advantages(rewards_, batch.group_sizes, "dr_grpo")
+        centred = dapo.group_advantages(rewards_, sizes, "dr_grpo")
         advantages = dapo.whiten(centred, all_reduce(dapo.moments(centred)))
     else:
-        advantages = dapo.group_advantages(rewards_, batch.group_sizes, run.args.adv_estimator)
-    return replace(batch, advantages=advantages.tolist())
+        advantages = dapo.group_advantages(rewards_, sizes, run.args.adv_estimator)
+    return replace(batch, advantages=advantages[batch.episode_index()].tolist())  # (N,)
 
 
 @torch.no_grad()
@@ -575,19 +611,26 @@ def update_means(args):
 def step_metrics(run, progress, sampled, kept, surplus, asked, update_sums, update_maxima, seconds):
     """Step 6: the step's metrics as named sums (and maxima) over all ranks. -> the log row"""
     args = run.args
-    done = Rollouts.concat(sampled) if sampled else None
-    lengths = [len(t) for t in done.tokens] if done else []
-    sums = {"samples": len(lengths), "correct": sum(done.correct) if done else 0,
-            "reward": sum(done.rewards) if done else 0.0, "length": sum(lengths),
-            "truncated": sum(done.truncated) if done else 0, "ranks": 1, "adversarial_prompts": asked,
+    done = Rollouts.concat(sampled) if sampled else STAND_IN.select([])
+    lengths = [len(t) for t in done.tokens]  # (N,) per turn
+    firsts = done.episode_starts()           # an episode's outcome, once
+    # Turns followed by another turn of their episode: what they wrote is carried as memory.
+    memories = [lengths[i] for i, turn in enumerate(done.turn or []) if i + 1 < len(lengths)
+                and done.turn[i + 1] > 0]
+    sums = {"samples": len(firsts), "correct": sum(done.correct[i] for i in firsts),
+            "reward": sum(done.rewards[i] for i in firsts), "length": sum(lengths),
+            "turns": len(lengths), "memory_tokens": sum(memories), "memories": len(memories),
+            "truncated": sum(done.truncated), "ranks": 1, "adversarial_prompts": asked,
             "groups_sampled": sum(b.num_groups for b in sampled), "groups_kept": kept.num_groups,
             "groups_missing": args.prompts_per_step // run.world - kept.num_groups,
             "groups_carried": surplus.num_groups if surplus else 0,
             "update_tokens": sum(len(p) + len(t) for p, t in zip(kept.prompts, kept.tokens)),
-            **{f"reward_{name}": sum(p.get(name, 0.0) for p in done.reward_parts) if done else 0.0
+            **{f"reward_{name}": sum(done.reward_parts[i].get(name, 0.0) for i in firsts)
                for name in REWARD_TERMS}, **update_sums}
-    total = reduce_metrics(sums, {"rounds": len(sampled), **update_maxima})
-    ranks, n = total["ranks"], max(1.0, total["samples"])
+    # The largest context of a turn, prompt and completion: what a turn's budget must hold.
+    context = max((len(p) + len(t) for p, t in zip(done.prompts, done.tokens)), default=0)
+    total = reduce_metrics(sums, {"rounds": len(sampled), "context_max": context, **update_maxima})
+    ranks, n, turns = total["ranks"], max(1.0, total["samples"]), max(1.0, total["turns"])
     updates = total.get("updates", 0.0) / ranks
     applied = updates - total.get("skipped_updates", 0.0) / ranks
     tokens = max(1.0, total.get("loss_tokens", 0.0))
@@ -595,7 +638,10 @@ def step_metrics(run, progress, sampled, kept, surplus, asked, update_sums, upda
            "lr": run.optimizer.param_groups[0]["lr"], "level": getattr(run.source, "level", None),
            "reward": total["reward"] / n, "accuracy": total["correct"] / n,
            **{f"reward_{name}": total[f"reward_{name}"] / n for name in REWARD_TERMS},
-           "response_length": total["length"] / n, "truncated": total["truncated"] / n,
+           "response_length": total["length"] / turns, "truncated": total["truncated"] / turns,
+           "turns_per_episode": total["turns"] / n,
+           "memory_length": total["memory_tokens"] / max(1.0, total["memories"]),
+           "context_max": int(total["context_max"]),
            **{name: int(total[name]) for name in ("groups_sampled", "groups_kept", "groups_missing",
                                                    "groups_carried", "adversarial_prompts")},
            "groups_kept_per_rank": gather(kept.num_groups, run.world), "rounds": int(total["rounds"]),
@@ -635,7 +681,8 @@ def sample_lines(run, batch, step):
     lines = []
     for i in range(min(run.args.log_samples, len(batch.tokens))):
         group = max(g for g, start in enumerate(starts) if start <= i)
-        lines.append({"step": step, "prompt": batch.records[group]["prompt"],
+        lines.append({"step": step, "turn": batch.turn[i] if batch.turn else 0,
+                      "prompt": batch.records[group]["prompt"],
                       "answer": batch.records[group]["answer"],
                       "completion": run.tokenizer.decode(batch.tokens[i], skip_special_tokens=True),
                       "reward": batch.rewards[i],
@@ -647,9 +694,12 @@ def sample_lines(run, batch, step):
 def shared_prompt_accuracy(run, progress, sampled):
     """Every rank's prompt accuracies of this step folded into one running table, the same on
     every rank (the adaptive budget reads it; prompts move between ranks each epoch)."""
-    seen = [(record["id"], sum(batch.correct[start:start + size]) / size)
-            for batch in sampled
-            for record, start, size in zip(batch.records, batch.group_starts(), batch.group_sizes)]
+    seen = []
+    for batch in sampled:
+        firsts = set(batch.episode_starts())
+        for record, start, size in zip(batch.records, batch.group_starts(), batch.group_sizes):
+            outcomes = [batch.correct[i] for i in range(start, start + size) if i in firsts]
+            seen.append((record["id"], sum(outcomes) / len(outcomes)))
     table = dict(progress.prompt_accuracy)
     for rank_seen in gather(seen, run.world):
         for prompt_id, accuracy in rank_seen:
@@ -765,7 +815,7 @@ def setup(args):
     if args.lora_rank:
         add_lora(policy, rank=args.lora_rank, alpha=args.lora_alpha)
     if args.template is None:
-        args.template = "none" if str(args.data).startswith("arithmetic") else "dapo"
+        args.template = "none" if str(args.data).startswith(("arithmetic", "memory")) else "dapo"
     try:  # every row is checked before any training
         source, heldout = load_data(args, tokenizer, policy.config.max_seq_len)
     except data.DataError as e:
@@ -810,8 +860,9 @@ def load_data(args, tokenizer, context):
         raise data.DataError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt "
                              f"in the model's context of {context}")
     heldout = None
-    if str(args.data).startswith("arithmetic"):
-        source = data.ArithmeticTask.from_spec(args.data)
+    if str(args.data).startswith(("arithmetic", "memory")):
+        task = episodes.MemoryTask if str(args.data).startswith("memory") else data.ArithmeticTask
+        source = task.from_spec(args.data)
         if args.eval_data is None:
             heldout = source.heldout(args.eval_limit)
     else:
@@ -829,7 +880,7 @@ def describe(run):
     args = run.args
     params = sum(p.numel() for p in run.policy.parameters()) / 1e6
     precision = "bf16 rollouts and autocast updates, fp32 weights" if run.bf16 else "float32"
-    cpu = " with the CPU defaults" if args.model is None and args.preset == "dapo" else ""
+    cpu = " with the CPU defaults" if args.model is None and args.preset in ("dapo", "dapo-memory") else ""
     method = f"{args.algo} {args.adv_estimator}, {args.loss_agg}, clip {args.eps_low}/{args.eps_high}" \
         if args.algo == "pg" else f"DPO ({args.dpo_pairs} pairs), beta {args.dpo_beta}"
     return "\n".join([
@@ -878,26 +929,27 @@ def refresh_sampler(run):
 
 @torch.no_grad()
 def heldout_accuracy(run, samples=1, temperature=0.0, top_p=1.0, rows_per_call=64):
-    """Mean accuracy of `samples` completions of each held-out problem: greedy pass@1, or avg@k
-    at a temperature as DAPO reports (eval.py also reports pass@k and maj@k). -> (accuracy,
-    mean length, truncated fraction)"""
+    """Mean accuracy of `samples` episodes of each held-out problem: greedy pass@1, or avg@k at
+    a temperature as DAPO reports (eval.py also reports pass@k and maj@k). -> (accuracy, mean
+    length of a turn, truncated fraction of turns)"""
     args, tokenizer = run.args, run.tokenizer
-    prompts = [data.format_prompt(r, tokenizer, args.template) for r in run.heldout]
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less padding
-    right, length, truncated = 0, 0, 0
+    first_prompts = [data.format_prompt(episodes.next_turn(r, 0), tokenizer, args.template)
+                     for r in run.heldout]
+    order = sorted(range(len(run.heldout)), key=lambda i: len(first_prompts[i]))  # less padding
+    right, length, truncated, turns = 0, 0, 0, 0
     per_call = max(1, rows_per_call // samples)
     for at in range(0, len(order), per_call):
         rows = order[at:at + per_call]
-        completions = generate(run.sampler.eval(), [prompts[i] for i in rows], num_samples=samples,
-                               max_new_tokens=args.max_new_tokens, temperature=temperature,
-                               top_p=top_p, stop_token_ids=run.stop_ids, seed=at)
-        for j, c in enumerate(completions):  # prompt-major: prompt rows[j // samples]
-            text = tokenizer.decode(c.tokens, skip_special_tokens=True)
-            right += rewards.is_correct(text, run.heldout[rows[j // samples]]["answer"])
-            length += len(c.tokens)
-            truncated += c.finish_reason == "length"
-    n = len(prompts) * samples
-    return right / n, length / n, truncated / n
+        played = episodes.play(run.sampler.eval(), tokenizer, [run.heldout[i] for i in rows],
+                               samples, at, template=args.template, max_new_tokens=args.max_new_tokens,
+                               temperature=temperature, top_p=top_p, stop_token_ids=run.stop_ids)
+        for j, episode in enumerate(played):  # prompt-major: problem rows[j // samples]
+            right += rewards.is_correct(episode[-1].text, run.heldout[rows[j // samples]]["answer"])
+            length += sum(len(t.completion.tokens) for t in episode)
+            truncated += sum(t.completion.finish_reason == "length" for t in episode)
+            turns += len(episode)
+    n = len(run.heldout) * samples
+    return right / n, length / max(1, turns), truncated / max(1, turns)
 
 
 def evaluate_and_log(run, progress):

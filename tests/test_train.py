@@ -21,7 +21,7 @@ DIGITS = [str(d) for d in range(10)]
 WORDS = ["What", "is", "+", "?", "Question:", "Answer:", "the", "sum"]
 
 
-def digit_checkpoint(directory, seed=0):
+def digit_checkpoint(directory, seed=0, context=64):
     """A random 2-layer Llama whose word-level vocabulary has the digits, so that a sampled
     answer is sometimes right and groups carry signal."""
     import tokenizers
@@ -34,7 +34,7 @@ def digit_checkpoint(directory, seed=0):
                                         bos_token="<s>", eos_token="</s>")
     cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=64, bos_token_id=2, eos_token_id=3, pad_token_id=1,
+                      max_position_embeddings=context, bos_token_id=2, eos_token_id=3, pad_token_id=1,
                       tie_word_embeddings=True)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)

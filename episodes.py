@@ -1,0 +1,195 @@
+"""Episodes: what the model is shown turn by turn, and when it is done.
+
+    python train.py --preset dapo-memory                          # the memory task below, on a CPU
+    python train.py --preset dapo-memory --data memory:pages=4,memory=off   # the no-memory control
+
+One function is the whole interface: `next_turn(record, turn, last_text)` gives the record that
+data.format_prompt turns into turn `turn`'s prompt (`last_text`: what the model wrote at turn - 1),
+or None when the episode is over; the episode's reward scores the last text against
+record["answer"] (rewards.math_reward), and that one outcome is every turn's reward. A plain
+math record is an episode of one turn, so train.py has one loop for both.
+
+The memory task (MemoryTask) is a long task in turns, as in the agents that read a document too
+long for one context in pieces and keep notes: a shop's diary of several pages, one page a turn,
+and the question how many apples were sold in all. Every page holds one sale among filler
+sentences. A turn's prompt holds the instructions, the memory the model wrote at the turn before
+(its reply opens with "Memory:"; the last such line counts) and the next page, never an earlier
+page: the running total must travel in the memory. The reply to the last page opens with
+"Answer:", and the episode ends there (or earlier, at a reply with an "Answer:" line). With
+`memory=off` the memory line is left out of the next prompt (the model still writes one): the
+control that shows the memory is what is learned, since the last page alone never holds the total.
+"""
+
+import random
+import re
+from dataclasses import dataclass
+
+import data
+from rollout import Completion, generate
+
+QUESTION = "How many apples did the shop sell in all?"
+INSTRUCTIONS = ("You read a shop's diary one page at a time and never see a page again. "
+                "Keep the running total of apples sold in your memory.")
+ASK_MEMORY = "Add this page's apples to the total in your memory. Reply with one line: Memory: <new total>"
+ASK_ANSWER = "This was the last page. Reply with one line: Answer: <total apples sold>"
+FILLER = ["It rained in the morning.", "The baker came by for coffee.", "A cat slept on the step.",
+          "The shelves were dusted.", "Two children asked for the way.", "The radio played old songs.",
+          "A delivery van was late.", "The window was cleaned.", "The owner wrote a letter.",
+          "The street was quiet after lunch.", "A dog barked at the door.", "The lights flickered."]
+MEMORY_LINE = re.compile(r"^[ \t]*\**memory\**[ \t]*:[ \t]*(.*?)[ \t]*$", re.IGNORECASE | re.MULTILINE)
+ANSWER_LINE = re.compile(r"^[ \t]*\**answer\**[ \t]*:", re.IGNORECASE | re.MULTILINE)
+
+
+def next_turn(record, turn, last_text=None):
+    """The record whose prompt the model sees at turn `turn` (0-based) of `record`'s episode, or
+    None when the episode has ended: a one-turn record after its turn; a memory record after its
+    last page, or as soon as a turn writes an "Answer:" line (it answered early)."""
+    if "pages" not in record:
+        return record if turn == 0 else None
+    if turn == len(record["pages"]) or (turn > 0 and ANSWER_LINE.search(last_text)):
+        return None
+    memory = (read_memory(last_text) or "") if turn > 0 and record["memory"] else None
+    last = turn == len(record["pages"]) - 1
+    return {"id": f"{record['id']}:turn{turn}", "answer": record["answer"],
+            "prompt": page_prompt(record, turn, memory),
+            "reply_prefix": "Answer:" if last else "Memory:"}
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn of an episode: the prompt it was shown and what the model wrote."""
+    prompt: list             # token ids
+    completion: Completion   # tokens, the sampler's log-probs, finish_reason
+    text: str                # the completion decoded
+
+
+def play(model, tokenizer, records, num_samples, seeds, *, template, **sampling):
+    """num_samples[i] episodes of records[i] (prompt-major), turn by turn: one rollout.generate
+    call per turn over the episodes still going (an episode that ends leaves the batch).
+    seeds: an int or one per record; `sampling`: generate's keywords (max_new_tokens is per turn).
+    -> per episode, its list of Turn"""
+    counts = [num_samples] * len(records) if isinstance(num_samples, int) else list(num_samples)
+    if isinstance(seeds, int):  # as generate reads an int seed
+        seeds = [seeds * 1_000_003 + r for r in range(len(records))]
+    owner = [r for r, n in enumerate(counts) for _ in range(n)]  # (N,) the record of each episode
+    sample = [k for n in counts for k in range(n)]                 # (N,) which of its G it is
+    turns = [[] for _ in owner]
+    # Turn 0 shows each record's first prompt to its G episodes: one prefill per record.
+    shown = {i: next_turn(records[r], 0) for i, r in enumerate(owner)}  # what episode i is shown
+    first = [data.format_prompt(next_turn(r, 0), tokenizer, template) for r in records]
+    completions = generate(model, first, num_samples=counts, seed=seeds, **sampling)
+    turn, going, prompts = 0, list(range(len(owner))), [first[r] for r in owner]
+    while True:
+        for i, prompt, completion in zip(going, prompts, completions):
+            text = shown[i].get("reply_prefix", "") + \
+                tokenizer.decode(completion.tokens, skip_special_tokens=True)
+            turns[i].append(Turn(prompt, completion, text))
+        turn += 1
+        shown = {i: next_turn(records[owner[i]], turn, turns[i][-1].text) for i in going}
+        going = [i for i in going if shown[i] is not None]
+        if not going:
+            return turns
+        prompts = [data.format_prompt(shown[i], tokenizer, template) for i in going]
+        # A seed per episode and turn: its samples do not depend on which others still run.
+        turn_seeds = [random.Random(f"{seeds[owner[i]]}:{sample[i]}:{turn}").getrandbits(62)
+                      for i in going]
+        completions = generate(model, prompts, num_samples=1, seed=turn_seeds, **sampling)
+
+
+def read_memory(text):
+    """The content of the last "Memory: ..." line of `text`, or None if it has none."""
+    found = MEMORY_LINE.findall(text or "")
+    return found[-1] if found else None
+
+
+def page_prompt(record, turn, memory):
+    """Instructions, the memory (unless None: the first page, or the no-memory control), page
+    `turn` and what to write."""
+    pages = record["pages"]
+    lines = [record["prompt"], INSTRUCTIONS]
+    if turn > 0 and memory is not None:
+        lines.append(f"Memory: {memory}")
+    lines += [f"Page {turn + 1} of {len(pages)}: {pages[turn]}",
+              ASK_ANSWER if turn == len(pages) - 1 else ASK_MEMORY]
+    return "\n".join(lines)
+
+
+class MemoryTask:
+    """Seeded diaries of `pages` pages, `filler` sentences and one sale of min..max apples on
+    each, with a fixed held-out quarter (by the sales, as the arithmetic task's split).
+    Spec: `memory` or `memory:pages=4,min=1,max=9,filler=2,memory=off`."""
+
+    SPEC_KEYS = ("pages", "min", "max", "filler", "memory")
+
+    def __init__(self, pages=3, min_value=1, max_value=9, filler=2, memory=True):
+        if pages < 2:
+            raise data.DataError(f"memory: pages must be at least 2, got {pages}")
+        if not 0 <= min_value <= max_value:
+            raise data.DataError(f"memory: need 0 <= min <= max, got min={min_value} max={max_value}")
+        if not 0 <= filler <= len(FILLER):
+            raise data.DataError(f"memory: filler must be in 0..{len(FILLER)}, got {filler}")
+        self.pages, self.min_value, self.max_value = pages, min_value, max_value
+        self.filler, self.memory = filler, memory
+
+    @classmethod
+    def from_spec(cls, spec):
+        head, _, options = spec.partition(":")
+        if head != "memory":
+            raise data.DataError(f"{spec!r}: a memory spec starts with 'memory'")
+        kwargs = {}
+        for item in filter(None, options.split(",")):
+            key, eq, value = (part.strip() for part in item.partition("="))
+            if not eq or key not in cls.SPEC_KEYS:
+                raise data.DataError(f"{spec!r}: bad option {item!r}; use key=value with keys "
+                                     f"{', '.join(cls.SPEC_KEYS)}")
+            if key == "memory":
+                if value not in ("on", "off"):
+                    raise data.DataError(f"{spec!r}: memory must be on or off, got {value!r}")
+                kwargs["memory"] = value == "on"
+                continue
+            try:
+                kwargs[{"min": "min_value", "max": "max_value"}.get(key, key)] = int(value)
+            except ValueError:
+                raise data.DataError(f"{spec!r}: {key} must be an integer, got {value!r}") from None
+        return cls(**kwargs)
+
+    def record(self, sales, rng):
+        """The diary with these sales (one per page); rng places the filler."""
+        pages = []
+        for day, sold in enumerate(sales, start=1):
+            sentences = rng.sample(FILLER, self.filler)
+            sentences.insert(rng.randint(0, self.filler), f"On day {day} the shop sold {sold} apples.")
+            pages.append(" ".join(sentences))
+        key = "+".join(map(str, sales))
+        return {"id": f"memory:{key}", "prompt": QUESTION, "answer": str(sum(sales)),
+                "pages": pages, "memory": self.memory}
+
+    def _draw(self, rng):
+        return [rng.randint(self.min_value, self.max_value) for _ in range(self.pages)]
+
+    @staticmethod
+    def is_heldout(sales):
+        return data.is_heldout(sales, ["+"] * (len(sales) - 1))
+
+    def sample(self, n, rng):
+        """n training diaries (never held out); `rng` is a random.Random."""
+        records = []
+        for _ in range(1000 * n):
+            sales = self._draw(rng)
+            if not self.is_heldout(sales):
+                records.append(self.record(sales, rng))
+                if len(records) == n:
+                    return records
+        raise data.DataError("memory: every diary is held out; widen min..max")
+
+    def heldout(self, n):
+        """The first n distinct held-out diaries: the same list every call."""
+        rng, records, seen = random.Random("heldout"), [], set()
+        for _ in range(1000 * n):
+            sales = self._draw(rng)
+            if tuple(sales) not in seen and self.is_heldout(sales):
+                seen.add(tuple(sales))
+                records.append(self.record(sales, rng))
+                if len(records) == n:
+                    return records
+        raise data.DataError(f"memory: could not find {n} distinct held-out diaries; widen min..max")
