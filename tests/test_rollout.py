@@ -458,3 +458,27 @@ def test_greedy_matches_transformers_every_family(tiny, tiny_ckpt, family):
         assert c.tokens == want, (family, c.tokens, want)
     assert len({t for c in ours for t in c.tokens}) > 5  # not one token repeated
     assert_logprobs_match(model, prompts, ours, 1.0)
+
+
+def test_recorded_routing_is_what_a_fresh_forward_routes(tiny):
+    """record_routing: each completion's experts, position by position (prompt, then tokens),
+    equal those of one forward over prompt + completion; the last token's are -1 unless the
+    row, stopped but not yet dropped, was fed it.
+    Rows are left-padded and compacted as they stop, so the bookkeeping is exercised."""
+    from model import Routing
+    model = tiny("qwen3_moe")
+    prompts = tiny_prompts(model.config.vocab_size, lengths=(5, 12, 9))
+    out = generate(model, prompts, num_samples=2, max_new_tokens=10, temperature=1.0,
+                   stop_token_ids=list(range(4, 40)), seed=4, record_routing=True)
+    assert len({len(c.tokens) for c in out}) > 1  # rows stopped at different steps
+    for c in out:
+        ids = torch.tensor([prompts[c.prompt_index] + c.tokens])
+        fresh = Routing()
+        with torch.no_grad():
+            model(ids, routing=fresh)
+        want = fresh.stacked(model.config)[0]  # (T, L, k)
+        assert c.routing.shape == want.shape and c.routing.dtype == torch.int16
+        assert torch.equal(c.routing[:-1].long(), want[:-1])
+        assert (c.routing[-1] == -1).all() or torch.equal(c.routing[-1].long(), want[-1])
+    dense = generate(tiny("llama"), [[5, 6, 7]], max_new_tokens=3, record_routing=True)
+    assert all(c.routing is None for c in dense)
