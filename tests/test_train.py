@@ -920,3 +920,67 @@ def test_comparison_table_means_spreads_and_convergence():
     assert "first step >= 72.0%" in lines[0] and len(lines) == 4
     assert lines[2] == "| a | 2 | 80.0% +- 0.0% | 80.0% +- 0.0% | 15 +- 7 | 100 +- 0 | 50 +- 0 | 1000 +- 141 |"
     assert lines[3] == "| b | 1 | 60.0% | 60.0% | - | 100 | 50 | 800 |"
+
+
+# ---- model families (issue 11) ------------------------------------------------------------------
+
+def family_checkpoint(directory, family):
+    """conftest's tiny `family` model on the digit vocabulary of digit_checkpoint."""
+    from conftest import randomise_, tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    digits = digit_checkpoint(Path(directory) / "digits")
+    cfg = tiny_config(family)
+    getattr(cfg, "text_config", cfg).vocab_size = len(AutoTokenizer.from_pretrained(digits))
+    torch.manual_seed(0)
+    model = randomise_(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(digits).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("family, extra", [
+    ("gemma3", []), ("gemma3_mm", []), ("gemma2", []), ("mistral", []),
+    ("qwen3_moe", ["--lora-rank", "4", "--router-aux-coef", "0.01", "--routing-replay",
+                   "--mini-batches", "2"])])
+def test_two_steps_on_each_family(tiny, tmp_path, family, extra):
+    """2 steps of train.py on each new family; final/ loads in transformers. The MoE run (LoRA on
+    attention and experts) logs its router loss, and with routing replay its update recomputes
+    the sampler's log-probs exactly."""
+    model_dir = family_checkpoint(tmp_path / "model", family)
+    out = tmp_path / "run"
+    run_train(["--model", model_dir, "--data", tiny[1], "--steps", "2", "--out", str(out)]
+              + flags(max_new_tokens="20") + extra)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["sampler_trainer_mismatch"] < 1e-4 for r in rows)
+    if family == "qwen3_moe":
+        assert all(r["router_aux_loss"] > 1.0 for r in rows)  # 1 * k = 2 when balanced
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(out / "final")
+
+
+def test_moe_flags_on_a_dense_model_fail_before_training(tiny, tmp_path):
+    proc = run_train(["--model", tiny[0], "--data", tiny[1], "--out", str(tmp_path / "run")]
+                     + flags(router_aux_coef="0.01"), check=False)
+    assert proc.returncode != 0 and "Mixture-of-Experts" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_replayed_routing_lines_up_with_the_packed_batch(tiny, tmp_path):
+    """replay_routing places each completion's recorded experts where pack() puts its tokens:
+    with unchanged weights, a free forward over the packed batch routes exactly as replayed."""
+    import train
+    from model import Routing
+    model_dir = family_checkpoint(tmp_path / "model", "qwen3_moe")
+    run = in_process_run(tmp_path, (model_dir, tiny[1]), "--routing-replay")
+    records = next(run.stream)[:3]
+    batch = train.sample_and_reward(run, records, [2, 1, 2], seeds=[1, 2, 3])
+    rows = list(range(len(batch.tokens)))
+    ids, attn, mask, start = train.pack(batch.prompts, batch.tokens, run.args.device)
+    replay = train.replay_routing(run, batch, rows, mask.shape[1]).replay  # (b, P+C, L, k)
+    free = Routing()
+    with torch.no_grad():
+        run.policy(ids, attn, routing=free)
+    fed = replay[..., 0, 0] >= 0  # (b, P+C) positions the sampler routed
+    assert fed.sum() > 20 and not (fed & ~attn.bool()).any()
+    assert torch.equal(replay[fed], free.stacked(run.policy.config)[fed])
