@@ -1246,6 +1246,61 @@ def bench(args):
               f"{results[('bf16 autocast', 'ours')] / results[('float32', 'ours')]:.2f}x")
 
 
+def cpu_name() -> str:
+    """The CPU's model name and its bf16 matrix flags, for benchmark reports."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown CPU"
+    name = next((l.split(":", 1)[1].strip() for l in info.splitlines()
+                 if l.startswith("model name")), "unknown CPU")
+    flags = sorted({f for f in ("avx512_bf16", "amx_bf16") if f in info})
+    return f"{name} ({', '.join(flags) or 'no avx512_bf16/amx_bf16'})"
+
+
+def bench_moe(args):
+    """Forward + backward tokens/s of a small Qwen3-MoE (8 experts, top-2, 4 layers), ours
+    against transformers' implementation on the same weights, alternating, in this process."""
+    import statistics
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    hf_cfg = Qwen3MoeConfig(vocab_size=4096, hidden_size=256, intermediate_size=512,
+                            moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+                            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                            head_dim=32, norm_topk_prob=True, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.05)
+    with tempfile.TemporaryDirectory() as directory:
+        hf.save_pretrained(directory)
+        ours = empty_model(read_config(os.path.join(directory, "config.json")), torch.float32, "cpu")
+        load_state_dict_strict(ours, _read_safetensors(directory), directory)
+    B, T = args.moe_batch, args.moe_length
+    ids = torch.randint(0, hf_cfg.vocab_size, (B, T))
+    with torch.no_grad():
+        diff = (ours(ids) - hf(ids).logits).abs().max().item()
+    print(f"MoE forward + backward, {B} x {T} tokens, 8 experts top-2, hidden 256, 4 layers "
+          f"({torch.get_num_threads()} threads, {cpu_name()}; logits max |diff| {diff:.1e}):")
+
+    def step(model, logits_of):
+        model.zero_grad(set_to_none=True)
+        logits_of(model).float().logsumexp(-1).mean().backward()  # the same loss for both
+
+    runs = {"ours": (ours, lambda m: m(ids)), "transformers": (hf, lambda m: m(ids).logits)}
+    times = {k: [] for k in runs}
+    for r in range(args.repeats + 1):  # alternate; the first round warms up
+        for k, (m, fn) in runs.items():
+            t = time.perf_counter()
+            step(m, fn)
+            if r:
+                times[k].append(time.perf_counter() - t)
+    tps = {k: B * T / statistics.median(v) for k, v in times.items()}
+    print(f"  ours {tps['ours']:6.0f} tok/s   transformers {tps['transformers']:6.0f} tok/s   "
+          f"ratio {tps['ours'] / tps['transformers']:.2f}x")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="model.py benchmark: log-prob memory and update speed")
     parser.add_argument("--bench", action="store_true", help="run the benchmark")
@@ -1255,7 +1310,17 @@ if __name__ == "__main__":
     parser.add_argument("--train-batch", type=int, default=8, help="update speed: rows")
     parser.add_argument("--train-length", type=int, default=256, help="update speed: tokens per row")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per model (median)")
+    parser.add_argument("--moe-only", action="store_true",
+                        help="only the Mixture-of-Experts comparison (no bundled model needed)")
+    parser.add_argument("--moe-batch", type=int, default=8, help="MoE speed: rows")
+    parser.add_argument("--moe-length", type=int, default=256, help="MoE speed: tokens per row")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (default: torch's; 1 on a machine shared with others)")
     cli = parser.parse_args()
     if not cli.bench:
         parser.error("nothing to do: pass --bench")
-    bench(cli)
+    if cli.threads:
+        torch.set_num_threads(cli.threads)
+    if not cli.moe_only:
+        bench(cli)
+    bench_moe(cli)
