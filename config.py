@@ -236,9 +236,9 @@ NONNEGATIVE_INTS = ["seed", "checkpoint_every", "lora_rank", "eval_every", "max_
 POSITIVE_FLOATS = ["checkpoint_minutes", "lora_alpha", "temperature", "overlong_cache", "eval_temperature",
                    "ppl_window", "gkl_gamma", "gkl_temperature", "gkl_weight_temperature",
                    "dpo_beta", "lr", "grad_clip"]
-NONNEGATIVE_FLOATS = ["router_aux_coef", "time_limit", "format_weight", "ppl_threshold", "efficiency_weight",
+NONNEGATIVE_FLOATS = ["time_limit", "format_weight", "ppl_threshold", "efficiency_weight",
                       "eps_high", "entropy_coef", "kl_coef", "gkl_alpha", "gkl_beta",
-                      "weight_decay", "tis_cap"]
+                      "weight_decay", "tis_cap", "router_aux_coef"]
 OTHER_FLOATS = ["correct_reward", "wrong_reward", "eps_low", "clip_c", "top_p", "eval_top_p",
                 "curriculum"]
 

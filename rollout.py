@@ -169,7 +169,8 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     row_prompt = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(counts))  # (B,)
     cache.select_rows(row_prompt.to(device))
     logits = logits[row_prompt.to(device)]  # (B, V)
-    routes = routes_buffer(model, routing, row_prompt.to(device), max_new_tokens) if record else None
+    routes = (routes_buffer(model, routing, row_prompt.to(device), max_new_tokens) if record
+              else None)  # (B, P + N_new, L, k)
 
     B = len(row_prompt)
     out_tokens = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)  # (B, N_new)

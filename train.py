@@ -806,7 +806,8 @@ def setup(args):
         sys.exit(f"train.py: --model: {e}")
     if (args.routing_replay or args.router_aux_coef) and not policy.config.num_experts:
         sys.exit(f"train.py: --routing-replay and --router-aux-coef act on a Mixture-of-Experts "
-                 f"model; {args.model or 'the bundled model'} ({policy.config.model_type}) has none")
+                 f"model; {args.model or 'the bundled model'} ({policy.config.model_type}) "
+                 "has no experts")
     policy.train()
     policy.gradient_checkpointing = args.activation_checkpointing
     if args.lora_rank:

@@ -58,9 +58,9 @@ def tiny_config(family: str, **overrides):
         cfg = tf.Qwen3Config(**_COMMON, num_hidden_layers=2, vocab_size=256, head_dim=32,
                              tie_word_embeddings=False, rope_theta=1e6)
     elif family in ("gemma3", "gemma3_mm"):
-        cfg = tf.Gemma3TextConfig(**_gemma_common(), vocab_size=176, rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                             "full_attention": {"rope_type": "linear", "factor": 4.0,
-                                                "rope_theta": 1e6}})
+        cfg = tf.Gemma3TextConfig(**_gemma_common(), vocab_size=176, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}})
         if family == "gemma3_mm":  # the language model beside a (skipped) vision tower
             vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                           num_attention_heads=2, image_size=32, patch_size=8)

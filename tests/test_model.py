@@ -613,7 +613,8 @@ def test_multimodal_gemma3_skips_the_vision_tower_and_saves_text(tiny_ckpt, tmp_
     ours, tok = load_model(path)
     out = save_model(ours, tok, str(tmp_path / "text"))
     config = json.load(open(os.path.join(out, "config.json")))
-    assert config["architectures"] == ["Gemma3ForCausalLM"] and config["model_type"] == "gemma3_text"
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    assert config["model_type"] == "gemma3_text"
     assert not any("vision" in n for n in load_file(os.path.join(out, "model.safetensors")))
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(hf).__name__ == "Gemma3ForCausalLM"
