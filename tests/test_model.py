@@ -751,3 +751,58 @@ def test_unsupported_directory_never_opens_its_weights(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="unsupported architecture model_type='gpt2'"):
         load_model(str(tmp_path))
+
+
+# config.json files as the hub has them (abridged to what the model reads)
+GEMMA3_4B_IT = {  # an image-text checkpoint: its text_config lists only what differs
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152,
+                      "image_size": 896, "intermediate_size": 4304, "num_attention_heads": 16,
+                      "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+GEMMA3_1B_IT = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+                "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+                "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+                "max_position_embeddings": 32768, "query_pre_attn_scalar": 256,
+                "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None,
+                "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+                "final_logit_softcapping": None, "attn_logit_softcapping": None}
+GEMMA2_2B_IT = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+                "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
+                "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+                "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+                "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0, "rope_theta": 10000.0,
+                "max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("hub", [GEMMA3_4B_IT, GEMMA3_1B_IT, GEMMA2_2B_IT],
+                         ids=["gemma-3-4b-it", "gemma-3-1b-it", "gemma-2-2b-it"])
+def test_hub_gemma_configs_read_as_transformers_reads_them(hub):
+    """Layer kinds, window, rotary bases and scaling, sizes: what transformers' own config class
+    makes of the same file (its defaults filling an image-text checkpoint's text_config)."""
+    from transformers import AutoConfig
+    ours = M.ModelConfig.from_hf(json.loads(json.dumps(hub)))
+    tf_cfg = AutoConfig.for_model(**hub)
+    text = getattr(tf_cfg, "text_config", tf_cfg)
+    assert ours.layer_types == tuple(t.split("_")[0] for t in text.layer_types)
+    assert ours.sliding_window == text.sliding_window
+    for key, value in [("vocab_size", text.vocab_size), ("head_dim", text.head_dim),
+                       ("num_kv_heads", text.num_key_value_heads),
+                       ("max_seq_len", text.max_position_embeddings),
+                       ("attn_scale", text.query_pre_attn_scalar ** -0.5),
+                       ("attn_softcap", getattr(text, "attn_logit_softcapping", None)
+                        if ours.model_type == "gemma2" else None),
+                       ("final_softcap", text.final_logit_softcapping),
+                       ("tie_word_embeddings", text.tie_word_embeddings)]:
+        assert getattr(ours, key) == value, key
+    rope = text.rope_parameters
+    if ours.model_type == "gemma3_text":
+        assert ours.local_rope_theta == rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
+    assert ours.rope_theta == rope["rope_theta"]
+    assert (ours.rope_scaling or {}).get("factor") == rope.get("factor")
