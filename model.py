@@ -56,11 +56,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
-                   "gemma3")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2",
+                   "gemma3_text", "gemma3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM"}  # gemma3 (multimodal) is saved as text
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Tensors of a multimodal Gemma 3 checkpoint that the language model does not use: read past,
@@ -107,12 +108,12 @@ class ModelConfig:
     sliding_window: int | None = None  # a query sees keys fewer than this many positions back
     layer_types: tuple = ()  # "full" or "sliding" per layer
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' own rotary base
-    # Mixture-of-Experts (Qwen3-MoE)
+    # Mixture-of-Experts (Qwen3-MoE, Mixtral)
     num_experts: int = 0
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
-    moe_layers: tuple = ()  # True per layer whose MLP is a mixture of experts
+    moe_layers: tuple = ()  # True per layer whose MLP is a mixture of experts (Mixtral: all)
     multimodal: bool = False  # a Gemma 3 image-text checkpoint: its language model only
 
     @classmethod
@@ -233,7 +234,7 @@ def _layer_types(hf: dict, model_type: str, num_layers: int) -> tuple:
         every = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern",
                                                         6 if model_type == "gemma3_text" else 2))
         kinds = tuple("full" if (i + 1) % every == 0 else "sliding" for i in range(num_layers))
-    elif model_type == "mistral":
+    elif model_type in ("mistral", "mixtral"):
         kinds = ("sliding",) * num_layers
     elif hf.get("use_sliding_window"):
         first = hf.get("max_window_layers", 0)
@@ -250,21 +251,25 @@ def _layer_types(hf: dict, model_type: str, num_layers: int) -> tuple:
 
 def _moe_settings(hf: dict, model_type: str, num_layers: int, source: str) -> dict:
     """Qwen3-MoE: which layers are sparse (decoder_sparse_step, mlp_only_layers), how many
-    experts, how many per token."""
-    if model_type != "qwen3_moe":
+    experts, how many per token. Mixtral: every layer, the experts intermediate_size wide, the
+    top-k probabilities always renormalised."""
+    if model_type not in ("qwen3_moe", "mixtral"):
         return {}
+    mixtral = model_type == "mixtral"
     experts = hf.get("num_experts", hf.get("num_local_experts"))
     top_k = hf.get("num_experts_per_tok")
-    size = hf.get("moe_intermediate_size")
+    size = hf.get("intermediate_size" if mixtral else "moe_intermediate_size")
     for key, value in (("num_experts", experts), ("num_experts_per_tok", top_k),
                        ("moe_intermediate_size", size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
     if top_k > experts:
         raise ValueError(f"{source}: num_experts_per_tok={top_k} exceeds num_experts={experts}")
+    if hf.get("router_jitter_noise"):
+        raise ValueError(f"{source}: router_jitter_noise > 0 is not supported")
     step, dense = hf.get("decoder_sparse_step", 1) or 1, set(hf.get("mlp_only_layers") or [])
     return dict(num_experts=experts, experts_per_token=top_k, moe_intermediate_size=size,
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                norm_topk_prob=mixtral or bool(hf.get("norm_topk_prob", False)),
                 moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)))
 
 
@@ -898,11 +903,14 @@ def hf_name_map(cfg: ModelConfig, prefix: str = "model.") -> dict[str, str]:
                       ("post_feedforward_layernorm", "post_mlp_norm")]
         else:
             pairs += [("post_attention_layernorm", "mlp_norm")]
-        if cfg.moe_layers and cfg.moe_layers[i]:
-            pairs += [("mlp.gate", "mlp.router")]
+        if cfg.moe_layers and cfg.moe_layers[i]:  # Mixtral's names: w1 gate, w3 up, w2 down
+            moe, gate, up, down = (("block_sparse_moe.", "w1", "w3", "w2")
+                                   if cfg.model_type == "mixtral"
+                                   else ("mlp.", "gate_proj", "up_proj", "down_proj"))
+            pairs += [(moe + "gate", "mlp.router")]
             for e in range(cfg.num_experts):
-                pairs += [(f"mlp.experts.{e}.{a}", f"mlp.experts.{e}.{b}") for a, b in
-                          [("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")]]
+                pairs += [(f"{moe}experts.{e}.{a}", f"mlp.experts.{e}.{b}") for a, b in
+                          [(gate, "w_gate"), (up, "w_up"), (down, "w_down")]]
         else:
             pairs += [("mlp.gate_proj", "mlp.w_gate"), ("mlp.up_proj", "mlp.w_up"),
                       ("mlp.down_proj", "mlp.w_down")]

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_mm", "gemma2",
-            "qwen3_moe")
+            "qwen3_moe", "mixtral")
 WINDOW = 16  # the sliding window of the tiny Mistral and Gemma checkpoints: tests run past it
 SPECIAL = ["<unk>", "<pad>", "<s>", "</s>"]  # ids 0, 1, 2, 3
 PAD_ID, BOS_ID, EOS_ID = 1, 2, 3
@@ -76,6 +76,10 @@ def tiny_config(family: str, **overrides):
                                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                 norm_topk_prob=True, mlp_only_layers=[1],
                                 tie_word_embeddings=False, rope_theta=1e6)
+    elif family == "mixtral":  # every layer sparse: 4 experts, top-2, renormalised; sliding
+        cfg = tf.MixtralConfig(**dict(_COMMON, intermediate_size=48), num_hidden_layers=2,
+                               vocab_size=112, num_local_experts=4, num_experts_per_tok=2,
+                               tie_word_embeddings=False, rope_theta=1e6, sliding_window=WINDOW)
     else:
         raise ValueError(family)
     for k, v in overrides.items():

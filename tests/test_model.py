@@ -321,7 +321,7 @@ def test_bundled_matches_transformers_gguf(smollm2):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", ["llama", "llama3", "qwen3", "mistral", "gemma3", "gemma2",
-                                    "qwen3_moe"])  # 24 tokens: past the window of 16
+                                    "qwen3_moe", "mixtral"])  # 24 tokens: past the window of 16
 def test_kv_cache_decode_matches_full_forward(loaded, family):
     """Prefill, a multi-token append, then one token at a time: the logits of every real
     position equal one full forward, with rows left-padded by different amounts."""
@@ -564,6 +564,9 @@ def test_new_family_features_are_read(loaded):
     moe = loaded("qwen3_moe")[0].config
     assert (moe.num_experts, moe.experts_per_token, moe.norm_topk_prob) == (8, 2, True)
     assert moe.moe_layers == (True, False, True) and moe.qk_norm
+    mixtral = loaded("mixtral")[0].config
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.norm_topk_prob) == (4, 48, True)
+    assert mixtral.moe_layers == (True, True) and mixtral.layer_types == ("sliding", "sliding")
     assert loaded("mistral")[0].config.max_seq_len == 256  # no longer capped at the window
 
 
