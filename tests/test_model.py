@@ -747,6 +747,22 @@ def test_hub_id_without_config_fails_before_any_weight(monkeypatch, tmp_path):
     assert fetched == ["config.json"]
 
 
+def test_gated_hub_id_fails_with_the_reason_before_any_weight(monkeypatch, tmp_path):
+    import types
+    import huggingface_hub
+    fetched = _fake_hub(monkeypatch, tmp_path, None)
+
+    def gated(repo_id, filename, **kwargs):
+        fetched.append(filename)
+        raise huggingface_hub.errors.GatedRepoError(
+            f"Cannot access gated repo. Access to model {repo_id} is restricted.",
+            response=types.SimpleNamespace(headers={}, status_code=401, request=None))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", gated)
+    with pytest.raises(FileNotFoundError, match=r"GatedRepoError: .*google/gemma-3-1b-it is restricted"):
+        load_model("google/gemma-3-1b-it")
+    assert fetched == ["config.json"]
+
+
 def test_unsupported_directory_never_opens_its_weights(tmp_path):
     """A local directory: the weight file would raise if read; the config's error comes first."""
     from transformers import GPT2Config
