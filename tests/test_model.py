@@ -758,7 +758,8 @@ def test_gated_hub_id_fails_with_the_reason_before_any_weight(monkeypatch, tmp_p
             f"Cannot access gated repo. Access to model {repo_id} is restricted.",
             response=types.SimpleNamespace(headers={}, status_code=401, request=None))
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", gated)
-    with pytest.raises(FileNotFoundError, match=r"GatedRepoError: .*google/gemma-3-1b-it is restricted"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"GatedRepoError: .*google/gemma-3-1b-it is restricted"):
         load_model("google/gemma-3-1b-it")
     assert fetched == ["config.json"]
 
