@@ -145,7 +145,7 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
         rope_theta, scaling, local_theta = _rope_settings(hf, model_type, source)
-        layer_types = _layer_types(hf, model_type, num_layers)
+        layer_types = _layer_types(hf, model_type, num_layers, source)
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         return cls(
             model_type=model_type,
@@ -223,7 +223,7 @@ def _rope_settings(hf: dict, model_type: str, source: str):
     return theta, scaling, local_theta
 
 
-def _layer_types(hf: dict, model_type: str, num_layers: int) -> tuple:
+def _layer_types(hf: dict, model_type: str, num_layers: int, source: str) -> tuple:
     """"full" or "sliding" per layer: the config's `layer_types` when written, else each
     family's rule (Gemma 3: every sliding_window_pattern-th layer global, Gemma 2: alternating,
     Mistral: all sliding, Qwen2/3: sliding from max_window_layers on with use_sliding_window)."""
@@ -245,7 +245,10 @@ def _layer_types(hf: dict, model_type: str, num_layers: int) -> tuple:
                       and not hf.get("use_sliding_window")):
         kinds = ("full",) * num_layers  # no window: every layer attends to its whole context
     if len(kinds) != num_layers:
-        raise ValueError(f"layer_types has {len(kinds)} entries for {num_layers} layers")
+        raise ValueError(f"{source}: layer_types has {len(kinds)} entries for {num_layers} layers")
+    if "sliding" in kinds and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"{source}: sliding_window must be a positive integer, got {window!r}")
     return kinds
 
 

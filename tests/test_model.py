@@ -528,6 +528,19 @@ def test_bad_config_is_named_at_load(tiny_ckpt, tmp_path, change, message):
         load_model(str(directory))
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda cfg: {**cfg, "sliding_window": -4}, r"config.json: sliding_window must be a positive"),
+    (lambda cfg: {**cfg, "layer_types": ["full_attention"]}, r"config.json: layer_types has 1 "),
+    (lambda cfg: {**cfg, "hidden_activation": "relu"}, r"hidden_activation='relu' is not supported"),
+])
+def test_bad_gemma_config_is_named_at_load(tiny_ckpt, tmp_path, change, message):
+    import shutil
+    directory = shutil.copytree(tiny_ckpt("gemma3"), tmp_path / "ckpt")
+    _edit_config(directory, change)
+    with pytest.raises(ValueError, match=message):
+        load_model(str(directory))
+
+
 def test_non_finite_weights_name_the_tensor(tiny_ckpt, tmp_path):
     directory = _copy_checkpoint(tiny_ckpt, tmp_path)
     tensors = load_file(directory / "model.safetensors")
