@@ -438,7 +438,7 @@ class Routing:
 
 
 class MoE(nn.Module):
-    """Sparse MLP (Qwen3-MoE): a router picks k of E expert MLPs per token,
+    """Sparse MLP (Qwen3-MoE, Mixtral): a router picks k of E expert MLPs per token,
 
         p = softmax(x W_r^T),  S = top-k(p),  y = sum_{e in S} w_e * MLP_e(x)
         w_e = p_e (or p_e / sum_{S} p, with norm_topk_prob)
