@@ -808,6 +808,9 @@ def setup(args):
         sys.exit(f"train.py: --routing-replay and --router-aux-coef act on a Mixture-of-Experts "
                  f"model; {args.model or 'the bundled model'} ({policy.config.model_type}) "
                  "has no experts")
+    if (args.routing_replay or args.router_aux_coef) and args.algo == "dpo":
+        sys.exit("train.py: --routing-replay and --router-aux-coef act on the policy-gradient "
+                 "update (--algo pg), not on DPO")
     policy.train()
     policy.gradient_checkpointing = args.activation_checkpointing
     if args.lora_rank:
