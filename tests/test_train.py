@@ -959,11 +959,16 @@ def test_two_steps_on_each_family(tiny, tmp_path, family, extra):
     AutoModelForCausalLM.from_pretrained(out / "final")
 
 
-def test_moe_flags_on_a_dense_model_fail_before_training(tiny, tmp_path):
-    proc = run_train(["--model", tiny[0], "--data", tiny[1], "--out", str(tmp_path / "run")]
-                     + flags(router_aux_coef="0.01"), check=False)
-    assert proc.returncode != 0 and "Mixture-of-Experts" in proc.stderr
-    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+@pytest.mark.parametrize("extra, message", [
+    (["--router-aux-coef", "0.01"], "has no experts"),
+    (["--routing-replay"], "has no experts"),
+    (["--routing-replay", "--algo", "dpo"], "not on DPO")])
+def test_moe_flags_that_would_do_nothing_fail_before_training(tiny, tmp_path, capsys, extra,
+                                                              message):
+    model_dir = tiny[0] if "dpo" not in extra else family_checkpoint(tmp_path / "m", "qwen3_moe")
+    with pytest.raises(SystemExit) as error:
+        in_process_run(tmp_path, (model_dir, tiny[1]), *extra)
+    assert message in str(error.value) and not (tmp_path / "run").exists()
 
 
 def test_replayed_routing_lines_up_with_the_packed_batch(tiny, tmp_path):
