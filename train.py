@@ -323,7 +323,7 @@ def with_old_logprobs(run, batch):
             rows = fresh[at:at + args.micro_batch_size]
             ids, attn, _, start = pack([batch.prompts[i] for i in rows],
                                        [batch.tokens[i] for i in rows], args.device)
-            routing = replay_routing(run, batch, rows, ids.shape[1] - start)
+            routing = moe_routing(run, replay_experts(run, batch, rows, ids.shape[1] - start))
             with autocast(run):
                 hidden = run.policy(ids, attn, return_hidden=True, routing=routing)
                 logp = token_logprobs(run.policy, ids, attn, start=start, hidden=hidden,
@@ -393,37 +393,38 @@ def policy_micro_batches(run, batch, rows, first_group):
             "fresh": torch.tensor([not rollouts.stale[i] for i in part], device=device),      # (b,)
             "group_ids": torch.tensor([group[i] if rollouts is batch else 0 for i in part],
                                       device=device),                                        # (b,)
-            "routing": replay_routing(run, rollouts, part, mask.shape[1]),
+            "replay": replay_experts(run, rollouts, part, mask.shape[1]),  # (b, P+C, L, k)
             # the router loss: a mean over the micro-batches of every rank (stand-ins: none)
             "aux_weight": 0.0 if rollouts is STAND_IN else 1.0 / (count * run.world)})
     return out
 
 
-def replay_routing(run, rollouts, rows, completion_width):
-    """A Routing for the update's forward over pack()'s layout: for an MoE policy, it records
-    the router logits (load-balancing loss); with --routing-replay it also replays the
-    sampler's experts, -1 (route freely) on padding and on tokens the sampler never fed."""
-    cfg = run.policy.config
-    if not cfg.num_experts:
+def replay_experts(run, rollouts, rows, completion_width):
+    """--routing-replay: the sampler's experts laid out as pack() lays out the tokens,
+    (b, P+C, L, k), -1 (route freely) on padding and on tokens the sampler never fed; else None."""
+    if not run.args.routing_replay or rollouts.routing is None:  # (stand-ins have none)
         return None
-    if not run.args.routing_replay or rollouts.routing is None:
-        return Routing()
+    cfg = run.policy.config
     prompts, tokens = [rollouts.prompts[i] for i in rows], [rollouts.tokens[i] for i in rows]
     P = max(len(p) for p in prompts)
     replay = torch.full((len(rows), P + completion_width, cfg.num_layers, cfg.experts_per_token),
                         -1, dtype=torch.long)  # (b, P+C, L, k)
     for j, (i, p, t) in enumerate(zip(rows, prompts, tokens)):
         replay[j, P - len(p):P + len(t)] = rollouts.routing[i].long()  # prompt left-padded
-    return Routing(replay.to(run.args.device))
+    return replay.to(run.args.device)
+
+
+def moe_routing(run, replay=None):
+    """What the update's forward records (the router logits, for the load-balancing loss) and
+    replays (the sampler's experts), on an MoE policy; None on a dense one."""
+    return Routing(replay) if run.policy.config.num_experts else None
 
 
 def policy_gradient_loss(run, mb):
     """The objective of eq. 10 on one micro-batch (changes 1 and 3), with the optional entropy
     bonus, KL / GKL term and TIS weights. -> (loss, named sums for the log, named maxima)"""
     args, mask, divisors = run.args, mb["mask"], mb["divisors"]
-    routing = mb["routing"]  # None (a dense model), or an MoE's: records, and maybe replays
-    if routing is not None:
-        routing = Routing(routing.replay)  # a fresh record for this forward
+    routing = moe_routing(run, mb["replay"])
     hidden = run.model(mb["ids"], mb["attn"], return_hidden=True, routing=routing)  # (b, P+C, H)
     logp, entropy = token_logprobs(run.policy, mb["ids"], mb["attn"], start=mb["start"],
                                    temperature=args.temperature, with_entropy=True,
