@@ -602,6 +602,22 @@ def test_sliding_window_changes_logits_past_it(loaded, family):
     assert max_diff(unwindowed[:, WINDOW:], want[:, WINDOW:]) > 100 * TOL
 
 
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "qwen3_moe"])
+def test_bf16_matches_transformers_bf16(tmp_path, family):
+    """In bfloat16 too: Gemma's embedding scale rounded to bf16 (hidden 48: sqrt(48) is not a
+    bf16 number) and its (1 + w) norms in float32, as transformers does them. The gap to float32
+    is the yardstick (bf16 rounding itself)."""
+    from transformers import AutoModelForCausalLM
+    path = tiny_checkpoint(family, tmp_path / "ckpt", hidden_size=48)
+    ours, _ = load_model(path, dtype=torch.bfloat16)
+    ids = random_ids(2, 30, ours.config.vocab_size, seed=14)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()(ids).logits
+        gap = max_diff(want, hf_model(path)(ids).logits)
+        diff = max_diff(ours(ids), want)
+    assert gap > 0.05 and diff <= 0.1 * gap, (diff, gap)
+
+
 def test_gemma2_soft_capping(loaded):
     """Logits stay inside (-cap, cap), and dropping the attention cap changes them."""
     ours, hf = loaded("gemma2")
