@@ -1043,7 +1043,13 @@ def _load_directory(path, dtype, device):
         raise FileNotFoundError(f"{path}: no config.json (not a transformers checkpoint directory)")
     cfg = read_config(config_path)  # before any weight file is opened
     tokenizer = _load_tokenizer(path)
-    if len(tokenizer) > cfg.vocab_size:  # ids past the embedding would fail mid-run
+    # Ids past the embedding would fail mid-run. Special tokens there are let through: text
+    # never yields them (Gemma 3 1B's tokenizer holds the image placeholder <image_soft_token>
+    # at id 262144, one past its text model's vocabulary).
+    added = tokenizer.added_tokens_decoder
+    beyond = [i for i in range(cfg.vocab_size, len(tokenizer))
+              if not (i in added and added[i].special)]
+    if beyond:
         raise ValueError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's "
                          f"vocabulary only {cfg.vocab_size} (config.json vocab_size)")
     model = empty_model(cfg, dtype, device)

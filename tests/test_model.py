@@ -541,6 +541,22 @@ def test_bad_gemma_config_is_named_at_load(tiny_ckpt, tmp_path, change, message)
         load_model(str(directory))
 
 
+def test_special_tokens_past_the_vocabulary_are_let_through(tiny_ckpt, tmp_path):
+    """Gemma 3 1B's tokenizer has <image_soft_token> one past the text vocabulary: a special
+    token that text never yields. An ordinary token there is still an error."""
+    from transformers import AutoTokenizer
+    directory = _copy_checkpoint(tiny_ckpt, tmp_path)  # vocabulary 128, tokenizer 128
+    tok = AutoTokenizer.from_pretrained(directory)
+    tok.add_special_tokens({"additional_special_tokens": ["<image_soft_token>"]})
+    tok.save_pretrained(directory)
+    model, tok = load_model(str(directory))
+    assert len(tok) == 129 and model.config.vocab_size == 128
+    tok.add_tokens(["ordinary"])
+    tok.save_pretrained(directory)
+    with pytest.raises(ValueError, match="the tokenizer has 130 tokens"):
+        load_model(str(directory))
+
+
 def test_non_finite_weights_name_the_tensor(tiny_ckpt, tmp_path):
     directory = _copy_checkpoint(tiny_ckpt, tmp_path)
     tensors = load_file(directory / "model.safetensors")
