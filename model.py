@@ -511,14 +511,14 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=cfg.gemma)  # noqa: E731
-        self.attn_norm = norm()
+        C, eps, gemma = cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma
+        self.attn_norm = RMSNorm(C, eps, offset=gemma)
         self.attn = Attention(cfg)
-        self.mlp_norm = norm()
+        self.mlp_norm = RMSNorm(C, eps, offset=gemma)  # Gemma: pre_feedforward_layernorm
         self.is_moe = bool(cfg.moe_layers) and cfg.moe_layers[layer]
         self.mlp = MoE(cfg) if self.is_moe else MLP(cfg)
-        self.post_attn_norm = norm() if cfg.gemma else None
-        self.post_mlp_norm = norm() if cfg.gemma else None
+        self.post_attn_norm = RMSNorm(C, eps, offset=True) if gemma else None
+        self.post_mlp_norm = RMSNorm(C, eps, offset=True) if gemma else None
 
     def forward(self, x, cos, sin, mask, cache=None, layer=0, routing=None):
         h = self.attn(self.attn_norm(x), cos, sin, mask, cache, layer)
