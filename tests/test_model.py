@@ -871,3 +871,32 @@ def test_hub_gemma_configs_read_as_transformers_reads_them(hub):
         rope = rope["full_attention"]
     assert ours.rope_theta == rope["rope_theta"]
     assert (ours.rope_scaling or {}).get("factor") == rope.get("factor")
+
+
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                 "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "hidden_act": "silu",
+                 "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960,
+                 "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None,
+                 "use_sliding_window": False, "max_window_layers": 48, "rms_norm_eps": 1e-06,
+                 "tie_word_embeddings": False}
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "hidden_act": "silu", "num_local_experts": 8, "num_experts_per_tok": 2,
+                "max_position_embeddings": 32768, "rope_theta": 1e6, "sliding_window": None,
+                "rms_norm_eps": 1e-05, "router_aux_loss_coef": 0.02, "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("hub", [QWEN3_30B_A3B, MIXTRAL_8X7B],
+                         ids=["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_hub_moe_configs(hub):
+    ours = M.ModelConfig.from_hf(dict(hub))
+    assert ours.layer_types == ("full",) * hub["num_hidden_layers"] and ours.sliding_window is None
+    assert ours.num_experts == hub.get("num_experts", hub.get("num_local_experts"))
+    assert ours.experts_per_token == hub["num_experts_per_tok"] and ours.norm_topk_prob
+    assert ours.moe_intermediate_size == hub.get("moe_intermediate_size", hub["intermediate_size"])
+    assert all(ours.moe_layers) and len(ours.moe_layers) == hub["num_hidden_layers"]
+    assert ours.rope_theta == 1e6 and ours.rope_scaling is None
