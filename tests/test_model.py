@@ -193,8 +193,9 @@ def test_save_model_round_trips_through_transformers(tiny_ckpt, tmp_path, family
         assert max_diff(load_model(out)[0](ids), want) <= TOL
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3"])  # tied and untied head
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen3_moe", "gemma3_mm"])
 def test_save_model_merges_lora(tiny_ckpt, tmp_path, family):
+    """Tied and untied heads; adapters on experts; a multimodal checkpoint saved as text."""
     ours, tok = load_model(tiny_ckpt(family))
     ids = random_ids(2, 30, ours.config.vocab_size, seed=6)
     with torch.no_grad():
