@@ -88,6 +88,12 @@ def model_flags(g):
                    help="recompute each block in backward (saves GPU memory)")
     g.add_argument("--ref", default="frozen", choices=["frozen", "lora-off"],
                    help="reference policy for KL/GKL/DPO: a frozen copy, or the LoRA base")
+    g.add_argument("--router-aux-coef", type=float, default=0.0,
+                   help="MoE: weight of the router's load-balancing loss (Switch Transformer, "
+                        "as transformers computes it); 0 = off (it is still logged)")
+    g.add_argument("--routing-replay", action=argparse.BooleanOptionalAction, default=False,
+                   help="MoE: the update sends each token to the experts the sampler chose, so "
+                        "the importance ratio compares one network, not two routings")
 
 def data_flags(g):
     g.add_argument("--data", default="arithmetic",
@@ -233,7 +239,7 @@ POSITIVE_FLOATS = ["checkpoint_minutes", "lora_alpha", "temperature", "overlong_
                    "dpo_beta", "lr", "grad_clip"]
 NONNEGATIVE_FLOATS = ["time_limit", "format_weight", "ppl_threshold", "efficiency_weight",
                       "eps_high", "entropy_coef", "kl_coef", "gkl_alpha", "gkl_beta",
-                      "weight_decay", "tis_cap"]
+                      "weight_decay", "tis_cap", "router_aux_coef"]
 OTHER_FLOATS = ["correct_reward", "wrong_reward", "eps_low", "clip_c", "top_p", "eval_top_p",
                 "curriculum"]
 

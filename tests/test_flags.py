@@ -42,6 +42,7 @@ TRAIN_MEANINGFUL = {
     ("--eval-samples", "0"): "held-out accuracy greedy only",
     ("--log-samples", "0"): "no samples.jsonl lines",
     ("--weight-decay", "0"): "no weight decay",
+    ("--router-aux-coef", "0"): "no load-balancing loss (still logged for an MoE)",
 }
 # Values once accepted that cost a run or a result (the list), beyond 0 / -1 / nan / inf.
 TRAIN_EXTRA = [("--eps-low", "2"), ("--clip-c", "0.5"), ("--curriculum", "1.5"),

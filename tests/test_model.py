@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import EOS_ID, FAMILIES, PAD_ID, hf_model, random_ids, tiny_checkpoint
+from conftest import EOS_ID, FAMILIES, PAD_ID, WINDOW, hf_model, random_ids, tiny_checkpoint
 import model as M
-from model import (KVCache, LoRALinear, add_lora, load_model, lora_disabled, merge_lora,
-                   save_model, token_logprobs)
+from model import (KVCache, LoRALinear, Routing, add_lora, load_model, lora_disabled,
+                   merge_lora, save_model, token_logprobs)
 
 TOL = 1e-4  # float32 logit parity (issue 2, acceptance 1)
 
@@ -193,8 +193,9 @@ def test_save_model_round_trips_through_transformers(tiny_ckpt, tmp_path, family
         assert max_diff(load_model(out)[0](ids), want) <= TOL
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3"])  # tied and untied head
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen3_moe", "gemma3_mm"])
 def test_save_model_merges_lora(tiny_ckpt, tmp_path, family):
+    """Tied and untied heads; adapters on experts; a multimodal checkpoint saved as text."""
     ours, tok = load_model(tiny_ckpt(family))
     ids = random_ids(2, 30, ours.config.vocab_size, seed=6)
     with torch.no_grad():
@@ -320,7 +321,8 @@ def test_bundled_matches_transformers_gguf(smollm2):
 # KV cache
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen3", "mistral", "gemma3", "gemma2",
+                                    "qwen3_moe", "mixtral"])  # 24 tokens: past the window of 16
 def test_kv_cache_decode_matches_full_forward(loaded, family):
     """Prefill, a multi-token append, then one token at a time: the logits of every real
     position equal one full forward, with rows left-padded by different amounts."""
@@ -377,7 +379,7 @@ def _padded_batch(vocab, seed=30):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])  # gemma2: soft-capped logits
 def test_token_logprobs_match_direct(loaded, family, temperature):
     ours, _ = loaded(family)
     ids, mask = _padded_batch(ours.config.vocab_size)
@@ -406,10 +408,10 @@ def _assert_same_grads(a, b, tol=1e-5):
     for n in a:
         scale = max(1.0, b[n].abs().max().item())
         assert max_diff(a[n], b[n]) <= tol * scale, (n, max_diff(a[n], b[n]), scale)
-        assert b[n].abs().max() > 0, n
+        assert b[n].abs().max() > 0 or ".experts." in n, n  # (an expert may get no token)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "qwen3_moe"])
 def test_token_logprobs_gradient_and_checkpointing(tiny_ckpt, family):
     ours, _ = load_model(tiny_ckpt(family))  # own copy: gradients and a flag get set
     ours.train()
@@ -527,6 +529,35 @@ def test_bad_config_is_named_at_load(tiny_ckpt, tmp_path, change, message):
         load_model(str(directory))
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda cfg: {**cfg, "sliding_window": -4}, r"config.json: sliding_window must be a positive"),
+    (lambda cfg: {**cfg, "layer_types": ["full_attention"]}, r"config.json: layer_types has 1 "),
+    (lambda cfg: {**cfg, "hidden_activation": "relu"}, r"hidden_activation='relu' is not supported"),
+])
+def test_bad_gemma_config_is_named_at_load(tiny_ckpt, tmp_path, change, message):
+    import shutil
+    directory = shutil.copytree(tiny_ckpt("gemma3"), tmp_path / "ckpt")
+    _edit_config(directory, change)
+    with pytest.raises(ValueError, match=message):
+        load_model(str(directory))
+
+
+def test_special_tokens_past_the_vocabulary_are_let_through(tiny_ckpt, tmp_path):
+    """Gemma 3 1B's tokenizer has <image_soft_token> one past the text vocabulary: a special
+    token that text never yields. An ordinary token there is still an error."""
+    from transformers import AutoTokenizer
+    directory = _copy_checkpoint(tiny_ckpt, tmp_path)  # vocabulary 128, tokenizer 128
+    tok = AutoTokenizer.from_pretrained(directory)
+    tok.add_special_tokens({"additional_special_tokens": ["<image_soft_token>"]})
+    tok.save_pretrained(directory)
+    model, tok = load_model(str(directory))
+    assert len(tok) == 129 and model.config.vocab_size == 128
+    tok.add_tokens(["ordinary"])
+    tok.save_pretrained(directory)
+    with pytest.raises(ValueError, match="the tokenizer has 130 tokens"):
+        load_model(str(directory))
+
+
 def test_non_finite_weights_name_the_tensor(tiny_ckpt, tmp_path):
     directory = _copy_checkpoint(tiny_ckpt, tmp_path)
     tensors = load_file(directory / "model.safetensors")
@@ -541,3 +572,332 @@ def test_broken_tokenizer_names_its_files(tiny_ckpt, tmp_path):
     (directory / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Wor')
     with pytest.raises(ValueError, match=r"cannot read the tokenizer \(.*tokenizer.json"):
         load_model(str(directory))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model families: Gemma 3 / 2, sliding windows, Mixture-of-Experts (issue 11)
+# ---------------------------------------------------------------------------------------------
+
+def test_new_family_features_are_read(loaded):
+    """What each new family adds reached our config (else parity would be luck)."""
+    g3 = loaded("gemma3")[0].config
+    assert g3.gemma and g3.qk_norm and g3.tie_word_embeddings and g3.attn_scale == 24 ** -0.5
+    assert g3.layer_types == ("sliding", "full", "sliding") and g3.sliding_window == WINDOW
+    assert g3.local_rope_theta == 1e4 and g3.rope_theta == 1e6
+    assert g3.rope_scaling["rope_type"] == "linear" and g3.final_softcap is None
+    mm = loaded("gemma3_mm")[0].config
+    assert mm.multimodal and mm.layer_types == g3.layer_types and mm.hf_config["architectures"] == [
+        "Gemma3ForCausalLM"]
+    g2 = loaded("gemma2")[0].config
+    assert g2.attn_softcap == 4.0 and g2.final_softcap == 3.0 and not g2.qk_norm
+    assert g2.local_rope_theta is None
+    moe = loaded("qwen3_moe")[0].config
+    assert (moe.num_experts, moe.experts_per_token, moe.norm_topk_prob) == (8, 2, True)
+    assert moe.moe_layers == (True, False, True) and moe.qk_norm
+    mixtral = loaded("mixtral")[0].config
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.norm_topk_prob) == (4, 48, True)
+    assert mixtral.moe_layers == (True, True) and mixtral.layer_types == ("sliding", "sliding")
+    assert loaded("mistral")[0].config.max_seq_len == 256  # no longer capped at the window
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gemma2"])
+def test_sliding_window_changes_logits_past_it(loaded, family):
+    """Without the window the logits past it are visibly wrong (parity above tells them apart),
+    and within it identical."""
+    ours, hf = loaded(family)
+    ids = random_ids(1, 3 * WINDOW, ours.config.vocab_size, seed=8)
+    saved = ours.config
+    try:
+        ours.config = dataclasses.replace(saved, sliding_window=None)
+        with torch.no_grad():
+            unwindowed = ours(ids)
+    finally:
+        ours.config = saved
+    with torch.no_grad():
+        want = hf(ids).logits
+    assert max_diff(unwindowed[:, :WINDOW], want[:, :WINDOW]) <= TOL
+    assert max_diff(unwindowed[:, WINDOW:], want[:, WINDOW:]) > 100 * TOL
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "qwen3_moe"])
+def test_bf16_matches_transformers_bf16(tmp_path, family):
+    """In bfloat16 too: Gemma's embedding scale rounded to bf16 (hidden 48: sqrt(48) is not a
+    bf16 number) and its (1 + w) norms in float32, as transformers does them. The gap to float32
+    is the yardstick (bf16 rounding itself)."""
+    from transformers import AutoModelForCausalLM
+    path = tiny_checkpoint(family, tmp_path / "ckpt", hidden_size=48)
+    ours, _ = load_model(path, dtype=torch.bfloat16)
+    ids = random_ids(2, 30, ours.config.vocab_size, seed=14)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()(ids).logits
+        gap = max_diff(want, hf_model(path)(ids).logits)
+        diff = max_diff(ours(ids), want)
+    assert gap > 0.05 and diff <= 0.1 * gap, (diff, gap)
+
+
+def test_gemma2_soft_capping(loaded):
+    """Logits stay inside (-cap, cap), and dropping the attention cap changes them."""
+    ours, hf = loaded("gemma2")
+    ids = random_ids(2, 30, ours.config.vocab_size, seed=9)
+    with torch.no_grad():
+        out = ours(ids)
+        assert out.abs().max() < 3.0 and out.abs().max() > 2.0  # the cap binds
+        for layer in ours.layers:
+            layer.attn.softcap = None
+        try:
+            uncapped = ours(ids)
+        finally:
+            for layer in ours.layers:
+                layer.attn.softcap = 4.0
+    assert max_diff(uncapped, out) > 100 * TOL
+
+
+def test_multimodal_gemma3_skips_the_vision_tower_and_saves_text(tiny_ckpt, tmp_path):
+    """The checkpoint holds a vision tower (read past by name); save_model writes a text-only
+    Gemma3ForCausalLM that AutoModelForCausalLM loads to the same logits."""
+    from transformers import AutoModelForCausalLM
+    path = tiny_ckpt("gemma3_mm")
+    names = set(load_file(os.path.join(path, "model.safetensors")))
+    assert any(n.startswith(M.SKIPPED_PREFIXES) for n in names)
+    ours, tok = load_model(path)
+    out = save_model(ours, tok, str(tmp_path / "text"))
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    assert config["model_type"] == "gemma3_text"
+    assert not any("vision" in n for n in load_file(os.path.join(out, "model.safetensors")))
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Gemma3ForCausalLM"
+    ids = random_ids(2, 40, ours.config.vocab_size, seed=5)
+    with torch.no_grad():
+        assert max_diff(hf(ids).logits, ours(ids)) <= TOL
+
+
+def test_moe_router_logits_and_aux_loss_match_transformers(loaded):
+    """Router logits per layer, and the load-balancing loss (with padding masked out), equal
+    transformers' (load_balancing_loss_func)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    ours, hf = loaded("qwen3_moe")
+    ids, mask = left_pad([random_ids(1, n, ours.config.vocab_size, seed=n)[0] for n in (20, 13)])
+    routing = Routing()
+    with torch.no_grad():
+        ours(ids, mask, routing=routing)
+        ref = hf(ids, attention_mask=mask, output_router_logits=True).router_logits
+    assert sorted(routing.logits) == [0, 2] and len(ref) == 2  # layer 1 is dense
+    real = mask.reshape(-1).bool()
+    for layer, want in zip([0, 2], ref):
+        assert max_diff(routing.logits[layer][real], want[real]) <= 1e-5
+    cfg = ours.config
+    aux = M.load_balancing_loss(routing, cfg.num_experts, cfg.experts_per_token, mask)
+    want = load_balancing_loss_func(tuple(ref), cfg.num_experts, cfg.experts_per_token, mask)
+    assert abs(float(aux) - float(want)) <= 1e-5 and float(aux) > 1.0
+    assert routing.experts[0].shape == (2, 20, 2)
+
+
+def test_moe_routing_replay(tiny_ckpt):
+    """Replaying recorded experts reproduces the logits; after the router moves (an update),
+    replay keeps the sampler's experts where free routing would not; -1 routes freely."""
+    ours, _ = load_model(tiny_ckpt("qwen3_moe"))
+    ids = random_ids(2, 24, ours.config.vocab_size, seed=11)
+    recorded = Routing()
+    with torch.no_grad():
+        base = ours(ids, routing=recorded)
+        replay = recorded.stacked(ours.config)  # (B, T, L, k), -1 on the dense layer
+        assert replay.shape == (2, 24, 3, 2) and (replay[:, :, 1] == -1).all()
+        assert torch.equal(ours(ids, routing=Routing(replay)), base)
+        assert torch.equal(ours(ids, routing=Routing(torch.full_like(replay, -1))), base)
+        for layer in ours.layers:  # an update that changes the routing
+            if layer.is_moe:
+                layer.mlp.router.weight.add_(torch.randn_like(layer.mlp.router.weight))
+        free, replayed = Routing(), Routing(replay)
+        ours(ids, routing=free)
+        ours(ids, routing=replayed)
+    assert not torch.equal(free.experts[0], recorded.experts[0])
+    assert all(torch.equal(replayed.experts[i], recorded.experts[i]) for i in (0, 2))
+
+
+def test_moe_aux_loss_gradient_with_checkpointing(tiny_ckpt):
+    """The aux loss reaches the routers, with and without activation checkpointing alike."""
+    ours, _ = load_model(tiny_ckpt("qwen3_moe"))
+    ids = random_ids(2, 16, ours.config.vocab_size, seed=12)
+    cfg = ours.config
+
+    def router_grads():
+        ours.zero_grad(set_to_none=True)
+        routing = Routing()
+        ours(ids, routing=routing)
+        M.load_balancing_loss(routing, cfg.num_experts, cfg.experts_per_token).backward()
+        return [ours.layers[i].mlp.router.weight.grad.clone() for i in (0, 2)]
+
+    plain = router_grads()
+    ours.gradient_checkpointing = True
+    checkpointed = router_grads()
+    for a, b in zip(plain, checkpointed):
+        assert a.abs().max() > 0 and max_diff(a, b) <= 1e-6
+
+
+def test_moe_lora_wraps_attention_and_experts(tiny_ckpt):
+    ours, _ = load_model(tiny_ckpt("qwen3_moe"))
+    ids = random_ids(2, 20, ours.config.vocab_size, seed=13)
+    add_lora(ours, rank=4, alpha=8.0)
+    cfg = ours.config
+    adapters = [m for m in ours.modules() if isinstance(m, LoRALinear)]
+    # 4 attention projections per layer; 3 per expert (2 MoE layers) or per dense MLP (1 layer)
+    assert len(adapters) == 4 * 3 + 3 * (2 * cfg.num_experts + 1)
+    randomise_lora_(ours, seed=2)
+    with torch.no_grad():
+        adapted = ours(ids)
+    merge_lora(ours)
+    with torch.no_grad():
+        assert max_diff(ours(ids), adapted) <= TOL
+
+
+def _fake_hub(monkeypatch, tmp_path, config):
+    """huggingface_hub's downloads replaced: config.json comes from `config` (or is missing),
+    any other download is recorded (and fails the test if it happens)."""
+    import huggingface_hub
+    fetched = []
+    repo_dir = tmp_path / "hub"
+    repo_dir.mkdir()
+    if config is not None:
+        (repo_dir / "config.json").write_text(json.dumps(config))
+
+    def hf_hub_download(repo_id, filename, **kwargs):
+        fetched.append(filename)
+        if not (repo_dir / filename).exists():
+            raise huggingface_hub.errors.EntryNotFoundError(f"{filename} not in {repo_id}")
+        return str(repo_dir / filename)
+
+    def snapshot_download(repo_id, **kwargs):
+        fetched.append("snapshot: weights and tokenizer")
+        raise AssertionError("weights fetched before the config was checked")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return fetched
+
+
+def test_hub_id_reads_config_before_any_weight(monkeypatch, tmp_path):
+    """An unsupported architecture, or no config.json, fails after fetching config.json alone,
+    with the reason, before any weight moves (acceptance 4)."""
+    fetched = _fake_hub(monkeypatch, tmp_path, {"model_type": "gpt2", "architectures": [
+        "GPT2LMHeadModel"], "n_embd": 64})
+    t = time.perf_counter()
+    with pytest.raises(ValueError, match=r"unsupported architecture model_type='gpt2'"):
+        load_model("someone/gpt2-like")
+    assert fetched == ["config.json"] and time.perf_counter() - t < 5
+
+
+def test_hub_id_without_config_fails_before_any_weight(monkeypatch, tmp_path):
+    fetched = _fake_hub(monkeypatch, tmp_path, None)
+    with pytest.raises(FileNotFoundError, match=r"someone/no-config: .*config.json.*EntryNotFound"):
+        load_model("someone/no-config")
+    assert fetched == ["config.json"]
+
+
+def test_gated_hub_id_fails_with_the_reason_before_any_weight(monkeypatch, tmp_path):
+    import types
+    import huggingface_hub
+    fetched = _fake_hub(monkeypatch, tmp_path, None)
+
+    def gated(repo_id, filename, **kwargs):
+        fetched.append(filename)
+        raise huggingface_hub.errors.GatedRepoError(
+            f"Cannot access gated repo. Access to model {repo_id} is restricted.",
+            response=types.SimpleNamespace(headers={}, status_code=401, request=None))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", gated)
+    with pytest.raises(FileNotFoundError,
+                       match=r"GatedRepoError: .*google/gemma-3-1b-it is restricted"):
+        load_model("google/gemma-3-1b-it")
+    assert fetched == ["config.json"]
+
+
+def test_unsupported_directory_never_opens_its_weights(tmp_path):
+    """A local directory: the weight file would raise if read; the config's error comes first."""
+    from transformers import GPT2Config
+    GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="unsupported architecture model_type='gpt2'"):
+        load_model(str(tmp_path))
+
+
+# config.json files as the hub has them (abridged to what the model reads)
+GEMMA3_4B_IT = {  # an image-text checkpoint: its text_config lists only what differs
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152,
+                      "image_size": 896, "intermediate_size": 4304, "num_attention_heads": 16,
+                      "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+GEMMA3_1B_IT = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+                "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+                "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+                "max_position_embeddings": 32768, "query_pre_attn_scalar": 256,
+                "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None,
+                "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+                "final_logit_softcapping": None, "attn_logit_softcapping": None}
+GEMMA2_2B_IT = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+                "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
+                "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+                "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+                "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0, "rope_theta": 10000.0,
+                "max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("hub", [GEMMA3_4B_IT, GEMMA3_1B_IT, GEMMA2_2B_IT],
+                         ids=["gemma-3-4b-it", "gemma-3-1b-it", "gemma-2-2b-it"])
+def test_hub_gemma_configs_read_as_transformers_reads_them(hub):
+    """Layer kinds, window, rotary bases and scaling, sizes: what transformers' own config class
+    makes of the same file (its defaults filling an image-text checkpoint's text_config)."""
+    from transformers import AutoConfig
+    ours = M.ModelConfig.from_hf(json.loads(json.dumps(hub)))
+    tf_cfg = AutoConfig.for_model(**hub)
+    text = getattr(tf_cfg, "text_config", tf_cfg)
+    assert ours.layer_types == tuple(t.split("_")[0] for t in text.layer_types)
+    assert ours.sliding_window == text.sliding_window
+    for key, value in [("vocab_size", text.vocab_size), ("head_dim", text.head_dim),
+                       ("num_kv_heads", text.num_key_value_heads),
+                       ("max_seq_len", text.max_position_embeddings),
+                       ("attn_scale", text.query_pre_attn_scalar ** -0.5),
+                       ("attn_softcap", getattr(text, "attn_logit_softcapping", None)
+                        if ours.model_type == "gemma2" else None),
+                       ("final_softcap", text.final_logit_softcapping),
+                       ("tie_word_embeddings", text.tie_word_embeddings)]:
+        assert getattr(ours, key) == value, key
+    rope = text.rope_parameters
+    if ours.model_type == "gemma3_text":
+        assert ours.local_rope_theta == rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
+    assert ours.rope_theta == rope["rope_theta"]
+    assert (ours.rope_scaling or {}).get("factor") == rope.get("factor")
+
+
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                 "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "hidden_act": "silu",
+                 "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960,
+                 "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None,
+                 "use_sliding_window": False, "max_window_layers": 48, "rms_norm_eps": 1e-06,
+                 "tie_word_embeddings": False}
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "hidden_act": "silu", "num_local_experts": 8, "num_experts_per_tok": 2,
+                "max_position_embeddings": 32768, "rope_theta": 1e6, "sliding_window": None,
+                "rms_norm_eps": 1e-05, "router_aux_loss_coef": 0.02, "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("hub", [QWEN3_30B_A3B, MIXTRAL_8X7B],
+                         ids=["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_hub_moe_configs(hub):
+    ours = M.ModelConfig.from_hf(dict(hub))
+    assert ours.layer_types == ("full",) * hub["num_hidden_layers"] and ours.sliding_window is None
+    assert ours.num_experts == hub.get("num_experts", hub.get("num_local_experts"))
+    assert ours.experts_per_token == hub["num_experts_per_tok"] and ours.norm_topk_prob
+    assert ours.moe_intermediate_size == hub.get("moe_intermediate_size", hub["intermediate_size"])
+    assert all(ours.moe_layers) and len(ours.moe_layers) == hub["num_hidden_layers"]
+    assert ours.rope_theta == 1e6 and ours.rope_scaling is None

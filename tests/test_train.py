@@ -920,3 +920,94 @@ def test_comparison_table_means_spreads_and_convergence():
     assert "first step >= 72.0%" in lines[0] and len(lines) == 4
     assert lines[2] == "| a | 2 | 80.0% +- 0.0% | 80.0% +- 0.0% | 15 +- 7 | 100 +- 0 | 50 +- 0 | 1000 +- 141 |"
     assert lines[3] == "| b | 1 | 60.0% | 60.0% | - | 100 | 50 | 800 |"
+
+
+# ---- model families (issue 11) ------------------------------------------------------------------
+
+def family_checkpoint(directory, family):
+    """conftest's tiny `family` model on the digit vocabulary of digit_checkpoint."""
+    from conftest import randomise_, tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    digits = digit_checkpoint(Path(directory) / "digits")
+    cfg = tiny_config(family)
+    getattr(cfg, "text_config", cfg).vocab_size = len(AutoTokenizer.from_pretrained(digits))
+    torch.manual_seed(0)
+    model = randomise_(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(digits).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma3_mm", "gemma2", "mistral"])
+def test_two_steps_on_each_family(tiny, tmp_path, family):
+    """2 steps of train.py's loop on each new family (in this process: no interpreter start),
+    and final/ loads in transformers (the MoE runs the whole CLI below)."""
+    import train
+    from transformers import AutoModelForCausalLM
+    model_dir = family_checkpoint(tmp_path / "model", family)
+    # Every group trains and the entropy bonus gives a gradient even when no answer is right.
+    run = in_process_run(tmp_path, (model_dir, tiny[1]), "--max-new-tokens", "20",
+                         "--no-dynamic-sampling", "--entropy-coef", "0.01")
+    progress, rows, threads = train.Progress(), [], torch.get_num_threads()
+    torch.set_num_threads(1)  # as the subprocess runs have it (OMP_NUM_THREADS=1)
+    try:
+        for _ in range(2):
+            progress, row, _ = train.train_step(run, progress)
+            rows.append(row)
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["grad_norm"] > 0
+    assert all(r["sampler_trainer_mismatch"] < 1e-4 for r in rows)
+    assert "router_aux_loss" not in rows[0]  # dense
+    train.save_model(run.policy, run.tokenizer, str(tmp_path / "final"))
+    AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+
+
+def test_two_steps_of_an_moe_with_lora_router_loss_and_replay(tiny, tmp_path):
+    """train.py end to end on Qwen3-MoE: LoRA on attention and experts, the router loss logged,
+    and with routing replay (two updates a step, so step 4 recomputes) the trainer's log-probs
+    equal the sampler's."""
+    model_dir = family_checkpoint(tmp_path / "model", "qwen3_moe")
+    out = tmp_path / "run"
+    run_train(["--model", model_dir, "--data", tiny[1], "--steps", "2", "--out", str(out)]
+              + flags(max_new_tokens="20") + ["--lora-rank", "4", "--router-aux-coef", "0.01",
+                                               "--routing-replay", "--mini-batches", "2",
+                                               "--no-dynamic-sampling", "--entropy-coef", "0.01"])
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["sampler_trainer_mismatch"] < 1e-4 for r in rows)
+    assert all(r["router_aux_loss"] > 1.0 and r["grad_norm"] > 0 for r in rows)  # k = 2 balanced
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(out / "final")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--router-aux-coef", "0.01"], "has no experts"),
+    (["--routing-replay"], "has no experts"),
+    (["--routing-replay", "--algo", "dpo"], "not on DPO")])
+def test_moe_flags_that_would_do_nothing_fail_before_training(tiny, tmp_path, capsys, extra,
+                                                              message):
+    model_dir = tiny[0] if "dpo" not in extra else family_checkpoint(tmp_path / "m", "qwen3_moe")
+    with pytest.raises(SystemExit) as error:
+        in_process_run(tmp_path, (model_dir, tiny[1]), *extra)
+    assert message in str(error.value) and not (tmp_path / "run").exists()
+
+
+def test_replayed_routing_lines_up_with_the_packed_batch(tiny, tmp_path):
+    """replay_experts places each completion's recorded experts where pack() puts its tokens:
+    with unchanged weights, a free forward over the packed batch routes exactly as replayed."""
+    import train
+    from model import Routing
+    model_dir = family_checkpoint(tmp_path / "model", "qwen3_moe")
+    run = in_process_run(tmp_path, (model_dir, tiny[1]), "--routing-replay")
+    records = next(run.stream)[:3]
+    batch = train.sample_and_reward(run, records, [2, 1, 2], seeds=[1, 2, 3])
+    rows = list(range(len(batch.tokens)))
+    ids, attn, mask, start = train.pack(batch.prompts, batch.tokens, run.args.device)
+    replay = train.replay_experts(run, batch, rows, mask.shape[1])  # (b, P+C, L, k)
+    free = Routing()
+    with torch.no_grad():
+        run.policy(ids, attn, routing=free)
+    fed = replay[..., 0, 0] >= 0  # (b, P+C) positions the sampler routed
+    assert fed.sum() > 20 and not (fed & ~attn.bool()).any()
+    assert torch.equal(replay[fed], free.stacked(run.policy.config)[fed])
