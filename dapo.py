@@ -333,7 +333,7 @@ PRESET_KEYS = {
     # optimisation
     "lr", "warmup_steps", "weight_decay", "grad_clip", "mini_batches", "tis_cap",
     # the task (a preset made for one, as dapo-memory)
-    "data", "max_new_tokens",
+    "data", "max_new_tokens", "eval_limit",
 }
 
 # DAPO's run (paper §4.1): AdamW, lr 1e-6 constant after a 20-step warm-up, weight decay 0.1, grad
@@ -434,6 +434,7 @@ PRESETS: dict[str, dict] = {
     # Long tasks in turns, carried by the model's own memory (episodes.py): a shop's diary read a
     # page a turn; one outcome reward for the whole episode, given to every turn. A reply is a
     # number after "Memory:" or "Answer:", so each turn's budget is small.
-    "dapo-memory": {**_DAPO, "data": "memory:pages=3", "max_new_tokens": 16},
+    "dapo-memory": {**_DAPO, "data": "memory:pages=2,max=20", "max_new_tokens": 16,
+                    "eval_limit": 100},  # (of the ~100 held-out diaries of this size)
     "dapo-balanced": {**_DAPO, "efficiency_weight": 0.1},
 }

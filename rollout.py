@@ -85,6 +85,12 @@ def stop_token_ids(tokenizer, model_dir=None):
     return sorted(ids)
 
 
+def line_break_ids(tokenizer):
+    """The token ids whose text holds a line break (a one-line reply stops at them; Step-DPO's
+    steps end at them)."""
+    return [i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])]
+
+
 def sample_tokens(logits, uniforms, temperature=1.0, top_p=1.0, top_k=0):
     """logits (B, V) float32, uniforms (B,) in [0, 1) -> tokens (B,), logprobs (B,).
 

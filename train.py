@@ -65,7 +65,7 @@ import rewards
 import runs
 from model import (Routing, add_lora, cpu_has_bf16, load_balancing_loss, load_model, lora_disabled,
                    save_model, token_logprobs)
-from rollout import stop_token_ids
+from rollout import line_break_ids, stop_token_ids
 
 # ---- the batch a step carries, and what a run holds ---------------------------------------------
 
@@ -257,9 +257,10 @@ def sample_and_reward(run, records, num_samples, seeds):
     parts = [{**p, "overlong": p["overlong"] + e, "efficiency": b}
              for (_, p), e, b in zip(scored, earlier, bonus)]
     rows = [(e, turn) for e, turns in enumerate(played) for turn in turns]  # (N,) episode-major
-    return Rollouts(records=list(records),
-                    group_sizes=[sum(len(played[e]) for e in range(len(played)) if group[e] == g)
-                                 for g in range(len(records))],
+    rows_per_group = [0] * len(records)
+    for g, turns in zip(group, played):
+        rows_per_group[g] += len(turns)
+    return Rollouts(records=list(records), group_sizes=rows_per_group,
                     prompts=[turn.prompt for _, turn in rows],
                     tokens=[turn.completion.tokens for _, turn in rows],
                     sampler_logprobs=[turn.completion.logprobs for _, turn in rows],
@@ -883,8 +884,10 @@ def setup(args):
         # Rollouts on a bf16 copy where bf16 is fast, refreshed after every step.
         sampler=copy.deepcopy(policy).to(torch.bfloat16).eval() if bf16 and not args.lora_rank else policy,
         reference=copy.deepcopy(policy).eval().requires_grad_(False) if needs_reference else None,
-        stop_ids=stop_token_ids(tokenizer),
-        step_separators=[i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])]
+        # Every reply of the memory task is one line (episodes.py): its sampler stops at a break.
+        stop_ids=stop_token_ids(tokenizer) + (line_break_ids(tokenizer)
+                                              if isinstance(source, episodes.MemoryTask) else []),
+        step_separators=line_break_ids(tokenizer)
         if args.algo == "dpo" and args.dpo_pairs == "step" else [],
         optimizer=torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay,
                                     betas=(0.9, 0.999), fused=True),  # one kernel for all tensors
