@@ -1,7 +1,7 @@
 """Episodes: what the model is shown turn by turn, and when it is done.
 
     python train.py --preset dapo-memory                          # the memory task below, on a CPU
-    python train.py --preset dapo-memory --data memory:pages=4,memory=off   # the no-memory control
+    python train.py --preset dapo-memory --data memory:pages=2,max=20,memory=off   # no memory
 
 One function is the whole interface: `next_turn(record, turn, last_text)` gives the record that
 data.format_prompt turns into turn `turn`'s prompt (`last_text`: what the model wrote at turn - 1),
