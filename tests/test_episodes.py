@@ -224,3 +224,26 @@ def test_memory_run_on_two_ranks_equals_one_process(tiny_long, tmp_path):
     a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), (k, (a[k] - b[k]).abs().max())
+
+
+def test_where_episodes_do_not_fit_the_answer_is_clear(capsys):
+    """DPO pairs single completions and eval.py scores single turns: both refuse the memory
+    task, naming why; a held-out split too small for --eval-limit names the spec."""
+    import config
+    with pytest.raises(SystemExit):
+        config.parse_config(["--preset", "dapo-memory", "--algo", "dpo"])
+    assert "--algo dpo" in capsys.readouterr().err
+    with pytest.raises(episodes.data.DataError, match="train.py evaluates them"):
+        episodes.data.load_records("memory:pages=2")
+    with pytest.raises(episodes.data.DataError, match="widen min..max"):
+        episodes.MemoryTask.from_spec("memory:pages=2,max=3").heldout(50)
+
+
+def test_a_memory_reply_stops_at_a_line_break():
+    """Every reply is one line: the tokens holding a line break are the memory task's extra stops."""
+    from rollout import line_break_ids
+
+    class Tokenizer(CharTokenizer):
+        def __len__(self):
+            return 128
+    assert line_break_ids(Tokenizer()) == [10]
