@@ -27,11 +27,26 @@ from dataclasses import dataclass
 import data
 from rollout import Completion, generate
 
-QUESTION = "How many apples did the shop sell in all?"
-INSTRUCTIONS = ("You read a shop's diary one page at a time and never see a page again. "
-                "Keep the running total of apples sold in your memory.")
-ASK_MEMORY = "Add this page's apples to the total in your memory. Reply with one line: Memory: <new total>"
-ASK_ANSWER = "This was the last page. Reply with one line: Answer: <total apples sold>"
+# What each question asks (MemoryTask's `ask`): the total over every page, or the first page's
+# sale (recall: the memory must be written at page 1 and kept past the pages after it).
+QUESTIONS = {
+    "total": "How many apples did the shop sell in all?",
+    "first": "How many apples did the shop sell on day 1?",
+}
+INSTRUCTIONS = {
+    "total": "You read a shop's diary one page at a time and never see a page again. "
+             "Keep the running total of apples sold in your memory.",
+    "first": "You read a shop's diary one page at a time and never see a page again. "
+             "Keep what you need in your memory.",
+}
+ASK_MEMORY = {
+    "total": "Add this page's apples to the total in your memory. Reply with one line: Memory: <new total>",
+    "first": "Reply with one line: Memory: <what you need to remember>",
+}
+ASK_ANSWER = {
+    "total": "This was the last page. Reply with one line: Answer: <total apples sold>",
+    "first": "This was the last page. Reply with one line: Answer: <apples sold on day 1>",
+}
 FILLER = ["It rained in the morning.", "The baker came by for coffee.", "A cat slept on the step.",
           "The shelves were dusted.", "Two children asked for the way.", "The radio played old songs.",
           "A delivery van was late.", "The window was cleaned.", "The owner wrote a letter.",
@@ -105,31 +120,33 @@ def read_memory(text):
 def page_prompt(record, turn, memory):
     """Instructions, the memory (unless None: the first page, or the no-memory control), page
     `turn` and what to write."""
-    pages = record["pages"]
-    lines = [record["prompt"], INSTRUCTIONS]
+    pages, ask = record["pages"], record["ask"]
+    lines = [record["prompt"], INSTRUCTIONS[ask]]
     if turn > 0 and memory is not None:
         lines.append(f"Memory: {memory}")
     lines += [f"Page {turn + 1} of {len(pages)}: {pages[turn]}",
-              ASK_ANSWER if turn == len(pages) - 1 else ASK_MEMORY]
+              ASK_ANSWER[ask] if turn == len(pages) - 1 else ASK_MEMORY[ask]]
     return "\n".join(lines)
 
 
 class MemoryTask:
     """Seeded diaries of `pages` pages, `filler` sentences and one sale of min..max apples on
     each, with a fixed held-out quarter (by the sales, as the arithmetic task's split).
-    Spec: `memory` or `memory:pages=4,min=1,max=9,filler=2,memory=off`."""
+    Spec: `memory` or `memory:pages=4,min=1,max=9,filler=2,memory=off,ask=first`."""
 
-    SPEC_KEYS = ("pages", "min", "max", "filler", "memory")
+    SPEC_KEYS = ("pages", "min", "max", "filler", "memory", "ask")
 
-    def __init__(self, pages=3, min_value=1, max_value=9, filler=2, memory=True):
+    def __init__(self, pages=3, min_value=1, max_value=9, filler=2, memory=True, ask="total"):
         if pages < 2:
             raise data.DataError(f"memory: pages must be at least 2, got {pages}")
         if not 0 <= min_value <= max_value:
             raise data.DataError(f"memory: need 0 <= min <= max, got min={min_value} max={max_value}")
         if not 0 <= filler <= len(FILLER):
             raise data.DataError(f"memory: filler must be in 0..{len(FILLER)}, got {filler}")
+        if ask not in QUESTIONS:
+            raise data.DataError(f"memory: ask must be one of {', '.join(QUESTIONS)}, got {ask!r}")
         self.pages, self.min_value, self.max_value = pages, min_value, max_value
-        self.filler, self.memory = filler, memory
+        self.filler, self.memory, self.ask = filler, memory, ask
 
     @classmethod
     def from_spec(cls, spec):
@@ -147,6 +164,9 @@ class MemoryTask:
                     raise data.DataError(f"{spec!r}: memory must be on or off, got {value!r}")
                 kwargs["memory"] = value == "on"
                 continue
+            if key == "ask":
+                kwargs["ask"] = value
+                continue
             try:
                 kwargs[{"min": "min_value", "max": "max_value"}.get(key, key)] = int(value)
             except ValueError:
@@ -161,8 +181,9 @@ class MemoryTask:
             sentences.insert(rng.randint(0, self.filler), f"On day {day} the shop sold {sold} apples.")
             pages.append(" ".join(sentences))
         key = "+".join(map(str, sales))
-        return {"id": f"memory:{key}", "prompt": QUESTION, "answer": str(sum(sales)),
-                "pages": pages, "memory": self.memory}
+        answer = sum(sales) if self.ask == "total" else sales[0]
+        return {"id": f"memory:{self.ask}:{key}", "prompt": QUESTIONS[self.ask], "answer": str(answer),
+                "pages": pages, "memory": self.memory, "ask": self.ask}
 
     def _draw(self, rng):
         return [rng.randint(self.min_value, self.max_value) for _ in range(self.pages)]

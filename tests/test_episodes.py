@@ -69,10 +69,10 @@ def test_turn_prompts_hold_the_instructions_the_memory_and_only_the_next_page(mo
     assert [len(turns) for turns in played] == [4] * 4
     for e, turns in enumerate(played):
         record = records[e // 2]
-        sales = [int(s) for s in record["id"].split(":")[1].split("+")]
+        sales = [int(s) for s in record["id"].split(":")[-1].split("+")]
         for t, turn in enumerate(turns):
             prompt = "".join(map(chr, turn.prompt))
-            assert episodes.INSTRUCTIONS in prompt and record["pages"][t] in prompt
+            assert episodes.INSTRUCTIONS["total"] in prompt and record["pages"][t] in prompt
             assert not any(page in prompt for k, page in enumerate(record["pages"]) if k != t)
             memories = re.findall(r"^Memory: (.*)$", prompt, re.MULTILINE)
             # The memory shown is what the model wrote at the turn before, nothing else.
@@ -127,14 +127,42 @@ def test_memory_task_split_spec_and_errors():
     train_ids = {r["id"] for r in task.sample(500, random.Random(0))}
     assert not train_ids & {r["id"] for r in heldout}
     record = heldout[0]
-    sales = [int(s) for s in record["id"].split(":")[1].split("+")]
+    sales = [int(s) for s in record["id"].split(":")[-1].split("+")]
     assert record["answer"] == str(sum(sales)) and len(record["pages"]) == 3
     for page, sold in zip(record["pages"], sales):
         assert f"sold {sold} apples" in page and len(re.findall(r"\d+ apples", page)) == 1
     for spec in ("memory:pages=1", "memory:memory=maybe", "memory:colour=red", "memory:max=x",
-                 "memory:filler=99", "mem"):
+                 "memory:filler=99", "memory:ask=last", "mem"):
         with pytest.raises(episodes.data.DataError):
             episodes.MemoryTask.from_spec(spec)
+
+
+def test_the_recall_question_needs_the_first_page_kept_past_the_others(monkeypatch):
+    """ask=first: the answer is day 1's sale, shown on page 1 only; a memory that keeps it is
+    right, one overwritten by the next page's sale is not."""
+    task = episodes.MemoryTask.from_spec("memory:pages=3,max=9,filler=0,ask=first")
+    records = [r for r in task.sample(50, random.Random(3))
+               if len(set(r["id"].split(":")[-1].split("+"))) == 3][:2]  # three different sales
+    sales = [[int(s) for s in r["id"].split(":")[-1].split("+")] for r in records]
+    assert [r["answer"] for r in records] == [str(s[0]) for s in sales]
+
+    # Keeps a remembered number, else writes the page's sale; each diary's second episode
+    # forgets at page 1, so its memory becomes page 2's sale.
+    def reply(text, sample):
+        memory = re.search(r"^Memory: (\d+)$", text, re.MULTILINE)
+        sold = re.search(r"the shop sold (\d+) apples", text).group(1)
+        if "Page 1 of" in text:
+            return " forgot" if sample == 1 else f" {sold}"
+        return f" {memory.group(1) if memory else sold}"
+    fake, _ = scripted_model(reply)
+    monkeypatch.setattr(episodes, "generate", fake)
+    played = episodes.play(None, CharTokenizer(), records, 2, 0, template="none")
+    for e, turns in enumerate(played):
+        prompts = ["".join(map(chr, t.prompt)) for t in turns]
+        assert all(episodes.QUESTIONS["first"] in p and episodes.INSTRUCTIONS["first"] in p
+                   for p in prompts)
+        assert episodes.ASK_ANSWER["first"] in prompts[-1] and prompts[-1].endswith("Answer:")
+        assert (turns[-1].text == f"Answer: {records[e // 2]['answer']}") == (e % 2 == 0)
 
 
 def multi_turn_rollouts():
