@@ -1,7 +1,7 @@
 """Episodes: what the model is shown turn by turn, and when it is done.
 
-    python train.py --preset dapo-memory                          # the memory task below, on a CPU
-    python train.py --preset dapo-memory --data memory:pages=2,max=20,memory=off   # no memory
+    python train.py --preset dapo-memory           # recall over a 3-page diary, on a CPU
+    python train.py --preset dapo-memory --data memory:pages=3,max=9,filler=2,ask=first,memory=off
 
 One function is the whole interface: `next_turn(record, turn, last_text)` gives the record that
 data.format_prompt turns into turn `turn`'s prompt (`last_text`: what the model wrote at turn - 1),
@@ -11,13 +11,14 @@ math record is an episode of one turn, so train.py has one loop for both.
 
 The memory task (MemoryTask) is a long task in turns, as in the agents that read a document too
 long for one context in pieces and keep notes: a shop's diary of several pages, one page a turn,
-and the question how many apples were sold in all. Every page holds one sale among filler
-sentences. A turn's prompt holds the instructions, the memory the model wrote at the turn before
-(its reply opens with "Memory:"; the last such line counts) and the next page, never an earlier
-page: the running total must travel in the memory. The reply to the last page opens with
-"Answer:", and the episode ends there (or earlier, at a reply with an "Answer:" line). With
-`memory=off` the memory line is left out of the next prompt (the model still writes one): the
-control that shows the memory is what is learned, since the last page alone never holds the total.
+and a question on the whole diary: how many apples were sold in all (`ask=total`), or on day 1
+(`ask=first`, the default preset's). Every page holds one sale among filler sentences. A turn's
+prompt holds the instructions, the memory the model wrote at the turn before (its reply opens
+with "Memory:"; the last such line counts) and the next page, never an earlier page: what the
+answer needs must travel in the memory. The reply to the last page opens with "Answer:", and
+the episode ends there (or earlier, at a reply with an "Answer:" line). With `memory=off` the
+memory line is left out of the next prompt (the model still writes one): the control that shows
+the memory is what is learned, since the last page alone holds neither answer.
 """
 
 import random

@@ -10,9 +10,9 @@
 # Ends with the table (mean +- sd over seeds) and comparison.png beside the runs.
 source "$(dirname "$0")/common.sh"
 ARMS="grpo dpo dapo rloo reinforce_baseline dr_grpo"
-CPU_FLAGS="--data arithmetic --max-new-tokens 64 --prompts-per-step 8 --samples 8 --steps 30
+CPU_FLAGS="--data arithmetic --max-new-tokens 64 --prompts-per-step 8 --samples 8 --steps 10
            --lr 1e-5 --lr-schedule cosine --warmup-steps 2 --temperature 0.8 --mini-batches 4
-           --max-refills 1 --eval-limit 100 --eval-every 10 --time-limit 0"
+           --max-refills 1 --eval-limit 50 --eval-every 5 --time-limit 0"
 GPU_FLAGS="--model Qwen/Qwen2.5-3B-Instruct --data gsm8k --eval-data gsm8k --eval-limit 1319
            --eval-every 25 --template xml --format-reward xml --format-weight 0.5
            --correct-reward 2 --wrong-reward 0 --lora-rank 16 --lora-alpha 32 --ref lora-off

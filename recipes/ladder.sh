@@ -10,9 +10,9 @@
 source "$(dirname "$0")/common.sh"
 ARMS="ladder-0-naive-grpo ladder-1-overlong-filtering ladder-2-clip-higher ladder-3-soft-overlong
       ladder-4-token-level-loss ladder-5-dynamic-sampling"
-CPU_FLAGS="--data arithmetic --max-new-tokens 64 --prompts-per-step 8 --samples 8 --steps 30
+CPU_FLAGS="--data arithmetic --max-new-tokens 64 --prompts-per-step 8 --samples 8 --steps 10
            --lr 1e-5 --lr-schedule cosine --warmup-steps 2 --temperature 0.8 --max-refills 1
-           --eval-limit 100 --eval-every 10 --time-limit 0"
+           --eval-limit 50 --eval-every 5 --time-limit 0"
 GPU_FLAGS="--model Qwen/Qwen2.5-1.5B-Instruct --data dapo-math-17k --eval-data aime24
            --eval-limit 30 --eval-samples 32 --eval-every 20 --prompts-per-step 512 --samples 16
            --max-new-tokens 8192 --steps 300 --lr 1e-6 --warmup-steps 20 --max-refills 3
