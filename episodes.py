@@ -34,11 +34,10 @@ QUESTIONS = {
     "total": "How many apples did the shop sell in all?",
     "first": "How many apples did the shop sell on day 1?",
 }
+ONE_PAGE_AT_A_TIME = "You read a shop's diary one page at a time and never see a page again."
 INSTRUCTIONS = {
-    "total": "You read a shop's diary one page at a time and never see a page again. "
-             "Keep the running total of apples sold in your memory.",
-    "first": "You read a shop's diary one page at a time and never see a page again. "
-             "Keep what you need in your memory.",
+    "total": f"{ONE_PAGE_AT_A_TIME} Keep the running total of apples sold in your memory.",
+    "first": f"{ONE_PAGE_AT_A_TIME} Keep what you need in your memory.",
 }
 ASK_MEMORY = {
     "total": "Add this page's apples to the total in your memory. Reply with one line: Memory: <new total>",
