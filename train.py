@@ -171,7 +171,7 @@ class Run:
     heldout: list               # held-out records, or None
     bf16: bool                  # updates under bf16 autocast
     variant_rng: random.Random  # draws the adversarial variants
-    run_lock: object            # rank 0's hold on the run directory (runs.lock), else None
+    run_lock: object            # rank 0's hold on the run directory (run.lock), else None
 
 
 # ---- one training step --------------------------------------------------------------------------

@@ -6,6 +6,8 @@
 #   PYTHON=python  the interpreter                  GPUS=8           torchrun's processes (gpu)
 #   LAUNCH="..."   the training command (default: python train.py, or torchrun on gpu)
 #   DRY_RUN=1      print the commands, run nothing
+#   KEEP_CHECKPOINTS=1  keep a finished run's resume checkpoints (by default only final/ and
+#                  the logs stay: the two checkpoints of a 135M run are 3.2 GB, a grid's ~60 GB)
 # Re-running a recipe resumes: finished runs are kept, interrupted ones continue (--resume).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -36,7 +38,9 @@ run_study() {
                 command="$launch --preset $arm --seed $seed --out $dir $flags ${EXTRA:-}"
             fi
             echo "+ $command"
-            [ -n "${DRY_RUN:-}" ] || $command
+            [ -n "${DRY_RUN:-}" ] && continue
+            $command
+            [ -n "${KEEP_CHECKPOINTS:-}" ] || rm -f "$dir/checkpoint.pt" "$dir/checkpoint-previous.pt"
         done
     done
     echo "+ $python train.py --plot ${dirs[*]}"

@@ -61,6 +61,7 @@ def test_a_recipe_runs_end_to_end_at_a_tiny_size(name, size, tmp_path):
     for run in (tmp_path / "runs").iterdir():
         if run.is_dir():
             assert (run / "final").is_dir() and (run / "samples.jsonl").exists()
+            assert not list(run.glob("checkpoint*.pt"))  # a finished run's resume files go
     # Run again: finished runs are kept, nothing is trained twice.
     again = recipe(name, tmp_path, SIZE=size, SEEDS="0", EXTRA=tiny,
                    LAUNCH=f"{sys.executable} {ROOT / 'train.py'}")
