@@ -676,7 +676,7 @@ def step_metrics(run, progress, sampled, kept, surplus, asked, update_sums, upda
     ranks, n, turns = total["ranks"], max(1.0, total["samples"]), max(1.0, total["turns"])
     updates = total.get("updates", 0.0) / ranks
     applied = updates - total.get("skipped_updates", 0.0) / ranks
-    tokens = max(1.0, total.get("loss_tokens", 0.0))
+    tokens = total.get("loss_tokens", 0.0)  # policy-gradient loss tokens (none under DPO)
     row = {"step": progress.step + 1, "updates": progress.updates + int(applied),
            "lr": run.optimizer.param_groups[0]["lr"], "level": getattr(run.source, "level", None),
            "reward": total["reward"] / n, "accuracy": total["correct"] / n,
@@ -688,8 +688,9 @@ def step_metrics(run, progress, sampled, kept, surplus, asked, update_sums, upda
            **{name: int(total[name]) for name in ("groups_sampled", "groups_kept", "groups_missing",
                                                    "groups_carried", "adversarial_prompts")},
            "groups_kept_per_rank": gather(kept.num_groups, run.world), "rounds": int(total["rounds"]),
-           **{name: total.get(name, 0.0) / tokens for name in update_means(args)},
-           "ratio_max": total.get("ratio_max"),  # None when no update had a loss token
+           # None when no update had a policy-gradient loss token (DPO, or every group dropped)
+           **{name: total.get(name, 0.0) / tokens if tokens else None for name in update_means(args)},
+           "ratio_max": total.get("ratio_max"),
            "peak_memory_mib": total["peak_memory_mib"],  # the largest over ranks
            "sampler_trainer_mismatch": total.get("mismatch", 0.0) / max(1.0, total.get("mismatch_tokens", 0.0)),
            "grad_norm": total.get("grad_norm", 0.0) / max(1.0, applied * ranks),

@@ -679,8 +679,11 @@ def test_every_variant_runs_end_to_end(tiny, tmp_path, preset):
     assert all(r["skipped_updates"] == 0 for r in rows)
     if preset == "dapo-ppl":  # in place of the overlong punishment, not beside it
         assert all(r["reward_overlong"] == 0 for r in rows) and any(r["reward_ppl"] for r in rows)
-    if preset.endswith("dpo"):
+    if preset.endswith("dpo"):  # no policy-gradient tokens: no entropy or clip figures, not zeros
         assert sum(r["pairs"] for r in rows) > 0
+        assert all(r["entropy"] is None and r["clip_frac_high"] is None for r in rows)
+    else:
+        assert all(r["entropy"] > 0 for r in rows)
 
 
 def test_heldout_avg_at_k_beside_greedy(tiny, tmp_path):
