@@ -261,7 +261,10 @@ def compare(run_dirs):
     """Several runs overlaid, one colour per label, each seed a line -> comparison.png beside the
     runs; and the summary table (`summary_table`) -> comparison.md, printed too."""
     pyplot = _pyplot()
-    loaded = [load_run(d) for d in run_dirs]
+    try:
+        loaded = [load_run(d) for d in run_dirs]
+    except RunError as error:  # a log file or a missing folder among the arguments
+        sys.exit(f"train.py: --plot: {error}")
     labels = list(dict.fromkeys(run["label"] for run in loaded))
     colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
     fig, axes = pyplot.subplots(2, len(PANELS), figsize=(4 * len(PANELS), 7), squeeze=False)

@@ -906,6 +906,11 @@ def test_plot_reads_a_torn_log_and_names_a_missing_run(tmp_path):
     assert (run_dir / "curve.png").exists()
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         runs.plot([str(tmp_path / "nope")])
+    log = tmp_path / "run.log"  # a shell glob that caught the runs' logs beside them
+    log.write_text("step 1\n")
+    (run_dir / "config.json").write_text('{"preset": "dapo"}')
+    with pytest.raises(SystemExit, match="run.log: no config.json there"):
+        runs.plot([str(run_dir), str(log)])
 
 
 def test_comparison_table_means_spreads_and_convergence():
