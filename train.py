@@ -575,13 +575,14 @@ def dpo_loss(run, mb):
                 * mask).sum(-1)  # (2b,) chosen, rejected, chosen, ...
     names = ("chosen_reward", "rejected_reward", "reward_margin", "accuracy")
     if not mb["pairs"]:  # a stand-in: same names, no weight (every rank logs the same names)
-        return seq_logp.sum() * 0, {f"dpo_{n}": 0.0 for n in names} | {"pairs": 0}, {}
+        return seq_logp.sum() * 0, {f"dpo_{n}": 0.0 for n in names} | {"pairs": 0, "pair_tokens": 0}, {}
     with torch.no_grad():
         ref = (reference_forward(run, lambda m: token_logprobs(
             m, ids, attn, start=start, temperature=temperature)) * mask).sum(-1)  # (2b,)
     loss, stats = losses.dpo_loss(seq_logp[0::2], seq_logp[1::2], ref[0::2], ref[1::2],
                                   run.args.dpo_beta, num_pairs=mb["num_pairs"])
-    return loss, {f"dpo_{n}": float(stats[n]) * mb["pairs"] for n in names} | {"pairs": mb["pairs"]}, {}
+    return loss, ({f"dpo_{n}": float(stats[n]) * mb["pairs"] for n in names}
+                  | {"pairs": mb["pairs"], "pair_tokens": float(attn.sum())}), {}  # prompts + replies
 
 
 def optimizer_update(run, micro, loss_of):
@@ -704,10 +705,12 @@ def step_metrics(run, progress, sampled, kept, surplus, asked, update_sums, upda
     for stage in ("rollout", "scoring", "update"):
         row[f"seconds_{stage}"] = seconds[stage]
     row["tokens_per_second_rollout"] = total["length"] / ranks / max(seconds["rollout"], 1e-9)
-    row["tokens_per_second_update"] = total["update_tokens"] / ranks / max(seconds["update"], 1e-9)
+    # DPO reads its pairs only, not every kept sample, and scores no old log-probs.
+    trained = total.get("pair_tokens", 0.0) if args.algo == "dpo" else total["update_tokens"]
+    row["tokens_per_second_update"] = trained / ranks / max(seconds["update"], 1e-9)
     # Scoring (step 4) is a pass of its own only with several updates per step.
     row["tokens_per_second_scoring"] = (total["update_tokens"] / ranks / max(seconds["scoring"], 1e-9)
-                                        if args.mini_batches > 1 else None)
+                                        if args.mini_batches > 1 and args.algo != "dpo" else None)
     return row
 
 
