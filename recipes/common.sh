@@ -2,6 +2,7 @@
 # directory, then the comparison table and plot. A recipe sets ARMS (presets), CPU_FLAGS and
 # GPU_FLAGS, then calls run_study. Environment:
 #   SIZE=cpu|gpu   which flags (default cpu)        SEEDS="0 1 2"   the seeds of every arm
+#   ARMS="a b"     the presets to run (default: the recipe's own list)
 #   OUT=DIR        where the runs go                EXTRA="..."      flags added to every run
 #   PYTHON=python  the interpreter                  GPUS=8           torchrun's processes (gpu)
 #   LAUNCH="..."   the training command (default: python train.py, or torchrun on gpu)
@@ -37,7 +38,7 @@ run_study() {
             else
                 command="$launch --preset $arm --seed $seed --out $dir $flags ${EXTRA:-}"
             fi
-            echo "+ $command"
+            echo "+" $command  # one line: the flags as the shell splits them
             [ -n "${DRY_RUN:-}" ] && continue
             $command
             [ -n "${KEEP_CHECKPOINTS:-}" ] || rm -f "$dir/checkpoint.pt" "$dir/checkpoint-previous.pt"

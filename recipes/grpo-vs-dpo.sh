@@ -9,7 +9,7 @@
 #   SIZE=gpu bash recipes/grpo-vs-dpo.sh  # GPU: Qwen2.5-3B-Instruct + LoRA on GSM8K
 # Ends with the table (mean +- sd over seeds) and comparison.png beside the runs.
 source "$(dirname "$0")/common.sh"
-ARMS="grpo dpo dapo rloo reinforce_baseline dr_grpo"
+ARMS=${ARMS:-"grpo dpo dapo rloo reinforce_baseline dr_grpo"}
 CPU_FLAGS="--data arithmetic --max-new-tokens 64 --prompts-per-step 8 --samples 8 --steps 10
            --lr 1e-5 --lr-schedule cosine --warmup-steps 2 --temperature 0.8 --mini-batches 4
            --max-refills 1 --eval-limit 50 --eval-every 5 --time-limit 0"

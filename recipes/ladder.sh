@@ -8,8 +8,8 @@
 #   SEEDS=0 EXTRA="--steps 5" OUT=runs/try bash recipes/ladder.sh   # a quick look
 # Ends with the table (mean +- sd over seeds) and comparison.png beside the runs.
 source "$(dirname "$0")/common.sh"
-ARMS="ladder-0-naive-grpo ladder-1-overlong-filtering ladder-2-clip-higher ladder-3-soft-overlong
-      ladder-4-token-level-loss ladder-5-dynamic-sampling"
+ARMS=${ARMS:-"ladder-0-naive-grpo ladder-1-overlong-filtering ladder-2-clip-higher ladder-3-soft-overlong
+      ladder-4-token-level-loss ladder-5-dynamic-sampling"}
 CPU_FLAGS="--data arithmetic --max-new-tokens 64 --prompts-per-step 8 --samples 8 --steps 10
            --lr 1e-5 --lr-schedule cosine --warmup-steps 2 --temperature 0.8 --max-refills 1
            --eval-limit 50 --eval-every 5 --time-limit 0"

@@ -8,7 +8,7 @@
 #   SIZE=gpu bash recipes/proposed.sh   # GPU: Qwen2.5-1.5B-Instruct on GSM8K
 # Ends with the table (mean +- sd over seeds) and comparison.png beside the runs.
 source "$(dirname "$0")/common.sh"
-ARMS="dapo dapo-adversarial dapo-ppl dapo-gkl"
+ARMS=${ARMS:-"dapo dapo-adversarial dapo-ppl dapo-gkl"}
 CPU_FLAGS="--data arithmetic --max-new-tokens 64 --prompts-per-step 8 --samples 8 --steps 15
            --lr 1e-5 --lr-schedule cosine --warmup-steps 2 --temperature 0.8 --mini-batches 4
            --max-refills 1 --overlong-cache 0.25 --eval-limit 50 --eval-every 5 --time-limit 0"

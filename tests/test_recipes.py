@@ -41,6 +41,14 @@ def test_every_command_of_a_recipe_parses(name, size, tmp_path):
         config.parse_config(argv[argv.index("train.py") + 1:])  # a bad flag exits here
 
 
+def test_a_few_arms_of_a_recipe(tmp_path):
+    """ARMS picks the presets (a grid that fits the time), the rest of the recipe unchanged."""
+    proc = recipe("grpo-vs-dpo.sh", tmp_path, ARMS="grpo dpo", DRY_RUN="1")
+    runs = [line for line in proc.stdout.splitlines() if "--preset" in line]
+    assert proc.returncode == 0 and [r.split("--preset ")[1].split()[0] for r in runs] == \
+        ["grpo"] * 3 + ["dpo"] * 3 and all("--mini-batches 4" in r for r in runs)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 @pytest.mark.parametrize("size", ["cpu", "gpu"])
