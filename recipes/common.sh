@@ -26,6 +26,10 @@ run_study() {
         echo "SIZE must be cpu or gpu, got $size" >&2
         return 2
     fi
+    if [ -z "$(echo $ARMS)" ]; then
+        echo "ARMS names no preset" >&2
+        return 2
+    fi
     local dirs=() arm seed dir command
     for arm in $ARMS; do
         for seed in ${SEEDS:-0 1 2}; do

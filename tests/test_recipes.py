@@ -47,6 +47,8 @@ def test_a_few_arms_of_a_recipe(tmp_path):
     runs = [line for line in proc.stdout.splitlines() if "--preset" in line]
     assert proc.returncode == 0 and [r.split("--preset ")[1].split()[0] for r in runs] == \
         ["grpo"] * 3 + ["dpo"] * 3 and all("--mini-batches 4" in r for r in runs)
+    empty = recipe("grpo-vs-dpo.sh", tmp_path, ARMS=" ", DRY_RUN="1")
+    assert empty.returncode == 2 and "ARMS names no preset" in empty.stderr
 
 
 @pytest.mark.slow
