@@ -6,6 +6,8 @@
 #   OUT=DIR        where the runs go                EXTRA="..."      flags added to every run
 #   PYTHON=python  the interpreter                  GPUS=8           torchrun's processes (gpu)
 #   LAUNCH="..."   the training command (default: python train.py, or torchrun on gpu)
+#   JOBS=2         runs at once, each at nproc/JOBS threads (OMP_NUM_THREADS if set), its output
+#                  in DIR.log; the figures in the README were measured with JOBS=2 on 2 cores
 #   DRY_RUN=1      print the commands, run nothing
 #   KEEP_CHECKPOINTS=1  keep a finished run's resume checkpoints (by default only final/ and
 #                  the logs stay: the two checkpoints of a 135M run are 3.2 GB, a grid's ~60 GB)
@@ -30,7 +32,9 @@ run_study() {
         echo "ARMS names no preset" >&2
         return 2
     fi
-    local dirs=() arm seed dir command
+    local jobs=${JOBS:-1} dirs=() failed=() arm seed dir command pid
+    local -A running=()  # pid -> run directory, while JOBS > 1
+    local threads=${OMP_NUM_THREADS:-$(( $(nproc) / jobs > 0 ? $(nproc) / jobs : 1 ))}
     for arm in $ARMS; do
         for seed in ${SEEDS:-0 1 2}; do
             dir=$out/$arm-s$seed
@@ -44,10 +48,35 @@ run_study() {
             fi
             echo "+" $command  # one line: the flags as the shell splits them
             [ -n "${DRY_RUN:-}" ] && continue
-            $command
-            [ -n "${KEEP_CHECKPOINTS:-}" ] || rm -f "$dir/checkpoint.pt" "$dir/checkpoint-previous.pt"
+            if [ "$jobs" -le 1 ]; then
+                train_one "$dir" $command
+                continue
+            fi
+            while [ ${#running[@]} -ge "$jobs" ]; do  # a free slot: wait for any run to end
+                wait -n -p pid || failed+=("${running[$pid]}")
+                unset "running[$pid]"
+            done
+            mkdir -p "$out"
+            OMP_NUM_THREADS=$threads train_one "$dir" $command > "$dir.log" 2>&1 &
+            running[$!]=$dir
         done
     done
+    while [ ${#running[@]} -gt 0 ]; do
+        wait -n -p pid || failed+=("${running[$pid]}")
+        unset "running[$pid]"
+    done
+    if [ ${#failed[@]} -gt 0 ]; then
+        echo "failed (see DIR.log; run the recipe again to resume): ${failed[*]}" >&2
+        return 1
+    fi
     echo "+ $python train.py --plot ${dirs[*]}"
     [ -n "${DRY_RUN:-}" ] || $python train.py --plot "${dirs[@]}"
+}
+
+# One run, then its resume checkpoints go (a finished run keeps final/ and its logs).
+train_one() {
+    local dir=$1
+    shift
+    "$@" || return
+    [ -n "${KEEP_CHECKPOINTS:-}" ] || rm -f "$dir/checkpoint.pt" "$dir/checkpoint-previous.pt"
 }

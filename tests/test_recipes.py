@@ -51,6 +51,28 @@ def test_a_few_arms_of_a_recipe(tmp_path):
     assert empty.returncode == 2 and "ARMS names no preset" in empty.stderr
 
 
+def test_runs_two_at_a_time_each_with_its_log(tmp_path):
+    """JOBS=2: two runs at once, each writing DIR.log, then the same table; a failed run is
+    named, the recipe exits non-zero and plots nothing."""
+    model = digit_checkpoint(tmp_path / "model")
+    data = learnable_data(tmp_path / "data.jsonl")
+    tiny = (f"--model {model} --data {data} --eval-data {data} --eval-limit 4 --steps 1 "
+            "--prompts-per-step 4 --samples 4 --max-new-tokens 4 --micro-batch-size 8 "
+            "--template none --dtype float32 --eval-samples 2")
+    (tmp_path / "failing").mkdir()
+    proc = recipe("grpo-vs-dpo.sh", tmp_path, ARMS="grpo dpo", SEEDS="0 1", JOBS="2",
+                  EXTRA=tiny, LAUNCH=f"{sys.executable} {ROOT / 'train.py'}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    runs = tmp_path / "runs"
+    for name in ["grpo-s0", "grpo-s1", "dpo-s0", "dpo-s1"]:
+        assert (runs / name / "final").is_dir() and "step 1" in (runs / f"{name}.log").read_text()
+    assert len((runs / "comparison.md").read_text().strip().splitlines()) == 2 + 2
+    failing = recipe("grpo-vs-dpo.sh", tmp_path / "failing", ARMS="grpo", SEEDS="0 1", JOBS="2",
+                     LAUNCH="false")
+    assert failing.returncode == 1 and "grpo-s0" in failing.stderr and "grpo-s1" in failing.stderr
+    assert "--plot" not in failing.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 @pytest.mark.parametrize("size", ["cpu", "gpu"])
