@@ -33,6 +33,10 @@ run_study() {
         return 2
     fi
     local jobs=${JOBS:-1} dirs=() failed=() arm seed dir command pid
+    if ! [[ "$jobs" =~ ^[1-9][0-9]*$ ]]; then
+        echo "JOBS must be a whole number of runs at once (1, 2, ...), got '$jobs'" >&2
+        return 2
+    fi
     local -A running=()  # pid -> run directory, while JOBS > 1
     local threads=${OMP_NUM_THREADS:-$(( $(nproc) / jobs > 0 ? $(nproc) / jobs : 1 ))}
     for arm in $ARMS; do
@@ -46,16 +50,16 @@ run_study() {
             else
                 command="$launch --preset $arm --seed $seed --out $dir $flags ${EXTRA:-}"
             fi
+            while [ ${#running[@]} -ge "$jobs" ]; do  # JOBS > 1: wait for any run to end
+                wait -n -p pid || failed+=("${running[$pid]}")
+                unset "running[$pid]"
+            done
             echo "+" $command  # one line: the flags as the shell splits them
             [ -n "${DRY_RUN:-}" ] && continue
             if [ "$jobs" -le 1 ]; then
                 train_one "$dir" $command
                 continue
             fi
-            while [ ${#running[@]} -ge "$jobs" ]; do  # a free slot: wait for any run to end
-                wait -n -p pid || failed+=("${running[$pid]}")
-                unset "running[$pid]"
-            done
             mkdir -p "$out"
             OMP_NUM_THREADS=$threads train_one "$dir" $command > "$dir.log" 2>&1 &
             running[$!]=$dir

@@ -49,6 +49,9 @@ def test_a_few_arms_of_a_recipe(tmp_path):
         ["grpo"] * 3 + ["dpo"] * 3 and all("--mini-batches 4" in r for r in runs)
     empty = recipe("grpo-vs-dpo.sh", tmp_path, ARMS=" ", DRY_RUN="1")
     assert empty.returncode == 2 and "ARMS names no preset" in empty.stderr
+    for jobs in ["0", "two", "-1"]:
+        bad = recipe("grpo-vs-dpo.sh", tmp_path, JOBS=jobs, DRY_RUN="1")
+        assert bad.returncode == 2 and "JOBS must be a whole number" in bad.stderr, jobs
 
 
 def test_runs_two_at_a_time_each_with_its_log(tmp_path):
