@@ -101,3 +101,15 @@ def test_a_recipe_runs_end_to_end_at_a_tiny_size(name, size, tmp_path):
     again = recipe(name, tmp_path, SIZE=size, SEEDS="0", EXTRA=tiny,
                    LAUNCH=f"{sys.executable} {ROOT / 'train.py'}")
     assert again.returncode == 0 and "--preset" not in again.stdout
+
+
+def test_the_readme_table_is_what_the_committed_logs_give():
+    """The GRPO-against-DPO grid's logs are committed (assets/grpo-vs-dpo-cpu/): the table that
+    `train.py --plot` makes of them is the README's, row for row."""
+    import runs
+    run_dirs = sorted((ROOT / "assets" / "grpo-vs-dpo-cpu").glob("*-s?"))
+    assert len(run_dirs) == 3 * RECIPES["grpo-vs-dpo.sh"]
+    table = runs.summary_table([runs.load_run(str(d)) for d in run_dirs]).splitlines()
+    readme = (ROOT / "README.md").read_text()
+    for row in table:
+        assert row in readme, row
