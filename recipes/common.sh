@@ -32,7 +32,7 @@ run_study() {
         echo "ARMS names no preset" >&2
         return 2
     fi
-    local jobs=${JOBS:-1} dirs=() failed=() arm seed dir command pid
+    local jobs=${JOBS:-1} dirs=() failed=() arm seed dir command
     if ! [[ "$jobs" =~ ^[1-9][0-9]*$ ]]; then
         echo "JOBS must be a whole number of runs at once (1, 2, ...), got '$jobs'" >&2
         return 2
@@ -50,10 +50,7 @@ run_study() {
             else
                 command="$launch --preset $arm --seed $seed --out $dir $flags ${EXTRA:-}"
             fi
-            while [ ${#running[@]} -ge "$jobs" ]; do  # JOBS > 1: wait for any run to end
-                wait -n -p pid || failed+=("${running[$pid]}")
-                unset "running[$pid]"
-            done
+            wait_for_runs "$jobs"  # JOBS > 1: a free slot
             echo "+" $command  # one line: the flags as the shell splits them
             [ -n "${DRY_RUN:-}" ] && continue
             if [ "$jobs" -le 1 ]; then
@@ -65,16 +62,23 @@ run_study() {
             running[$!]=$dir
         done
     done
-    while [ ${#running[@]} -gt 0 ]; do
-        wait -n -p pid || failed+=("${running[$pid]}")
-        unset "running[$pid]"
-    done
+    wait_for_runs 1  # every run has ended
     if [ ${#failed[@]} -gt 0 ]; then
         echo "failed (see DIR.log; run the recipe again to resume): ${failed[*]}" >&2
         return 1
     fi
     echo "+ $python train.py --plot ${dirs[*]}"
     [ -n "${DRY_RUN:-}" ] || $python train.py --plot "${dirs[@]}"
+}
+
+# Until fewer than $1 runs are running: run_study's `running` (pid -> run directory) loses each run
+# that ends, and `failed` gains those that failed.
+wait_for_runs() {
+    local pid
+    while [ ${#running[@]} -ge "$1" ]; do
+        wait -n -p pid || failed+=("${running[$pid]}")
+        unset "running[$pid]"
+    done
 }
 
 # One run, then its resume checkpoints go (a finished run keeps final/ and its logs).

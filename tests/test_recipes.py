@@ -62,7 +62,6 @@ def test_runs_two_at_a_time_each_with_its_log(tmp_path):
     tiny = (f"--model {model} --data {data} --eval-data {data} --eval-limit 4 --steps 1 "
             "--prompts-per-step 4 --samples 4 --max-new-tokens 4 --micro-batch-size 8 "
             "--template none --dtype float32 --eval-samples 2")
-    (tmp_path / "failing").mkdir()
     proc = recipe("grpo-vs-dpo.sh", tmp_path, ARMS="grpo dpo", SEEDS="0 1", JOBS="2",
                   EXTRA=tiny, LAUNCH=f"{sys.executable} {ROOT / 'train.py'}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -70,6 +69,7 @@ def test_runs_two_at_a_time_each_with_its_log(tmp_path):
     for name in ["grpo-s0", "grpo-s1", "dpo-s0", "dpo-s1"]:
         assert (runs / name / "final").is_dir() and "step 1" in (runs / f"{name}.log").read_text()
     assert len((runs / "comparison.md").read_text().strip().splitlines()) == 2 + 2
+    (tmp_path / "failing").mkdir()
     failing = recipe("grpo-vs-dpo.sh", tmp_path / "failing", ARMS="grpo", SEEDS="0 1", JOBS="2",
                      LAUNCH="false")
     assert failing.returncode == 1 and "grpo-s0" in failing.stderr and "grpo-s1" in failing.stderr
