@@ -350,8 +350,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, k, v)  # (B, Hkv, S, D): everything cached so far
-        if self.softcap:
-            y = attend_softcapped(q, k, v, mask, self.scale, self.softcap)
+        if self.softcap or (T == 1 and not q.is_cuda):
+            # Gemma 2's tanh fits no fused kernel; a CPU decode step (one query row) is two small
+            # matrix products, 5-10x faster than SDPA's flash kernel (`python rollout.py --bench`).
+            y = attend_grouped(q, k, v, mask, self.scale, self.softcap)
         else:
             y = attend(q, k, v, mask, expand_kv=q.is_cuda and mask is not None and T > 1,
                        scale=self.scale)
@@ -376,19 +378,30 @@ def attend(q, k, v, mask, expand_kv=False, scale=None):
                                           scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def attend_softcapped(q, k, v, mask, scale, cap):
-    """Gemma 2: scores = cap * tanh(q k^T * scale / cap), then masked softmax and v. No fused
-    kernel takes the tanh, so the (B, Hq, T, S) scores are formed; the key/value heads are read
-    in groups, not copied."""
+def attend_grouped(q, k, v, mask, scale=None, cap=None):
+    """The same attention as `attend`, as plain matrix products, each group of query heads
+    stacked on its shared key/value head (read in place, never copied):
+
+        scores = q k^T * scale     (Gemma 2: cap * tanh(scores / cap))
+        y = softmax(scores + mask) v
+
+    q (B, Hq, T, D), k and v (B, Hkv, S, D), mask (B, 1, T, S) bool or None (plain causal).
+    Forms the (B, Hq, T, S) scores, so it is for decode steps (T = 1) and Gemma 2's soft cap.
+    """
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     qg = q.reshape(B, Hkv, Hq // Hkv * T, D)  # (B, Hkv, G*T, D): a group's query heads stacked
-    scores = (qg @ k.transpose(-1, -2)).view(B, Hkv, Hq // Hkv, T, S) * (scale or D ** -0.5)
-    scores = cap * torch.tanh(scores / cap)  # (B, Hkv, G, T, S)
+    # k q^T, not q k^T: the cache's filled prefix is a strided view, which the matrix product reads
+    # in place as its left operand but copies (3x slower on the CPU) when transposed.
+    scores = (k @ qg.transpose(-1, -2)).transpose(-1, -2).float()  # (B, Hkv, G*T, S)
+    scores = scores.view(B, Hkv, Hq // Hkv, T, S)
+    scores = scores * (scale or D ** -0.5)
+    if cap:
+        scores = cap * torch.tanh(scores / cap)
     if mask is None:  # plain causal: query t (the last T of S slots) sees slots <= S - T + t
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
     scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask (B, 1, 1, T, S)
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return (probs.view(B, Hkv, -1, S) @ v).view(B, Hq, T, D)  # (B, Hq, T, D)
 
 
@@ -547,11 +560,20 @@ class KVCache:
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, S)
         self.pos = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)  # (B, S)
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
-        self.length = 0
+        self.length = 0  # slots filled by `Transformer.forward` (a prefill)
         self.max_len = max_len
+        # `Transformer.decode` (one token per row) writes at `slot`, a tensor, and reads every
+        # slot: no Python number changes between its steps, so one compiled graph serves them all.
+        self.decoding = False
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # (1,)
 
     def write(self, layer, k, v):
-        """Stores k, v (B, Hkv, T, D) at slots [length, length + T); returns the filled prefix."""
+        """Stores k, v (B, Hkv, T, D) at slots [length, length + T) and returns the filled prefix;
+        while decoding, at `slot` (T = 1), returning the whole cache."""
+        if self.decoding:
+            self.k[layer].index_copy_(2, self.slot, k)
+            self.v[layer].index_copy_(2, self.slot, v)
+            return self.k[layer], self.v[layer]
         end = self.length + k.shape[2]
         self.k[layer][:, :, self.length:end] = k
         self.v[layer][:, :, self.length:end] = v
@@ -648,9 +670,7 @@ class Transformer(nn.Module):
         masks = self.attention_masks(start, positions, keys_real, key_pos, plain)
 
         x = self.embed(input_ids)  # (B, T, C)
-        rotary = {"full": self.rope(positions, x.dtype, self.inv_freq)}
-        rotary["sliding"] = (self.rope(positions, x.dtype, self.inv_freq_local)
-                             if self.config.local_rope_theta is not None else rotary["full"])
+        rotary = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             kind = self.config.layer_types[i]
             args = (x, *rotary[kind], masks[kind])
@@ -660,10 +680,44 @@ class Transformer(nn.Module):
                 x = layer(*args, cache, i, routing)
         if cache is not None:
             cache.length = start + T
+            cache.slot.fill_(start + T)
         if last_only:
             x = x[:, -1:]
         x = self.norm(x)  # (B, T, C)
         return x if return_hidden else self.logits(x)  # (B, T, V)
+
+    def decode(self, tokens, cache: KVCache, routing: Routing | None = None):
+        """tokens (B,) -> logits (B, V) float32: one token per row, written at `cache.slot`,
+        which then moves on by one. The sampler's decode step (rollout.py), after a prefill by
+        forward and `cache.decoding = True`.
+
+        Every slot of the cache is read, the unfilled ones masked out: shapes and code stay the
+        same from step to step, so torch.compile takes the step whole, once (CUDA graphs too).
+        """
+        positions = cache.next_pos[:, None]  # (B, 1) each row's next rotary position
+        cache.valid.index_fill_(1, cache.slot, True)
+        cache.pos.index_copy_(1, cache.slot, positions)
+        full = cache.valid[:, None, None, :]  # (B, 1, 1, S): filled slots, this one included
+        masks = {"full": full, "sliding": full}
+        if self.config.sliding_window:  # Mistral, Gemma: only keys at positions > p - window
+            near = (positions[:, :, None] - cache.pos[:, None, :]) < self.config.sliding_window
+            masks["sliding"] = full & near[:, None]  # (B, 1, 1, S)
+        x = self.embed(tokens[:, None])  # (B, 1, C)
+        rotary = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, *rotary[self.config.layer_types[i]], masks[self.config.layer_types[i]],
+                      cache, i, routing)
+        cache.next_pos.add_(1)
+        cache.slot.add_(1)
+        return self.logits(self.norm(x))[:, 0].float()  # (B, V)
+
+    def rotary(self, positions, dtype):
+        """{"full": (cos, sin), "sliding": (cos, sin)}, each (B, 1, T, D); Gemma 3's sliding
+        layers rotate at their own base."""
+        full = self.rope(positions, dtype, self.inv_freq)
+        if self.config.local_rope_theta is None:
+            return {"full": full, "sliding": full}
+        return {"full": full, "sliding": self.rope(positions, dtype, self.inv_freq_local)}
 
     def attention_masks(self, start, positions, keys_real, key_pos, plain):
         """{"full": mask, "sliding": mask}, each (B, 1, T, S) bool or None (plain causal).

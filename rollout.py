@@ -125,6 +125,40 @@ def sample_tokens(logits, uniforms, temperature=1.0, top_p=1.0, top_k=0):
     return tokens, logp
 
 
+# Counter-based random numbers (the idea of Salmon et al. 2011, "Parallel random numbers: as easy
+# as 1, 2, 3"): the uniform of sample row r at decode step t is a hash of (r's key, t), so a whole
+# step's uniforms are one vectorised computation on the device, with no generator state, and a
+# row's stream depends on its prompt's seed and its sample index only, never on the batch around
+# it. The mixer is a 32-bit integer hash (Wellons' "lowbias32"), in int64 so products never
+# overflow what the mask keeps.
+
+def hash32(x):
+    """x int64 (any shape, or an int) in [0, 2^32) -> a well-mixed int64 in [0, 2^32)."""
+    x = (x + 0x9E3779B9) & 0xFFFFFFFF  # so that 0 does not map to 0
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def sample_keys(seeds, counts):
+    """seeds: one int per prompt (its low 64 bits count); counts: samples per prompt.
+    -> (B,) int64 keys, prompt-major: row j of prompt i keyed by (seeds[i], j)."""
+    low = torch.tensor([int(s) % 2**32 for s in seeds])  # (N,)
+    high = torch.tensor([int(s) // 2**32 % 2**32 for s in seeds])  # (N,)
+    prompt_keys = hash32(hash32(low) ^ high)  # (N,)
+    sample_index = torch.cat([torch.arange(c) for c in counts])  # (B,) j within its prompt
+    return hash32(prompt_keys.repeat_interleave(torch.tensor(counts)) ^ sample_index)  # (B,)
+
+
+def step_uniforms(keys, step):
+    """keys (b,) int64, step: an int or a (1,) int64 tensor -> (b,) float32 uniforms in [0, 1),
+    24 random bits each."""
+    bits = hash32(keys ^ hash32(step))  # (b,)
+    return (bits >> 8).float() / 2**24
+
+
 def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p, top_k):
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError("generate: prompts must be a non-empty list of token-id lists")
@@ -149,15 +183,76 @@ def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_
 
 @torch.no_grad()
 def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, temperature=1.0,
-             top_p=1.0, top_k=0, stop_token_ids=(), seed=0, compact_fraction=0.25,
-             record_routing=False):
+             top_p=1.0, top_k=0, stop_token_ids=(), seed=0, compile=None, compact_fraction=0.25,
+             check_every=8, record_routing=False):
     """prompts: list of token-id lists; num_samples: int, or one int per prompt; seed: int, or one
-    int per prompt. record_routing: on an MoE model, each Completion's `.routing` holds the
-    experts every position went to (for routing replay in the update).
+    int per prompt. compile: run the decode step through torch.compile (None: where it is faster,
+    see `compiled_by_default`). record_routing: on an MoE model, each Completion's `.routing`
+    holds the experts every position went to (for routing replay in the update).
 
     -> list[Completion], prompt-major. The same seed gives the same samples.
     """
     counts = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p, top_k)
+    seeds = [seed * 1_000_003 + i for i in range(len(prompts))] if isinstance(seed, int) else list(seed)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"generate: seed must be an int or one int per prompt, got {seed!r}")
+    record = record_routing and model.config.num_experts > 0
+    if compile is None:
+        compile = compiled_by_default(model)
+    # An MoE groups tokens by expert with a host read (and recording routes is eager work).
+    step_fn = (compiled_step(model.device) if compile and model.config.num_experts == 0
+               and not record else decode_step)
+
+    # 1. Prefill each prompt once, then give each of its samples a copy of its cache rows.
+    cache, logits, row_prompt, routes = prefill(model, prompts, counts, max_new_tokens, record)
+    B, device = len(row_prompt), model.device
+    keys = sample_keys(seeds, counts).to(device)  # (B,) each row's random stream
+    tokens, logp = sample_tokens(logits, step_uniforms(keys, 0), temperature, top_p, top_k)
+    tokens = tokens.clone()  # (B,) not a view: a compiled step would recompile for a view's base
+    out_tokens = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)  # (B, N_new)
+    out_logp = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)  # (B, N_new)
+    lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)  # (B,)
+    stopped = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
+    stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
+    active = torch.arange(B, device=device)  # rows still in the batch (some may have stopped)
+
+    # 2. Decode: one token per row per step, on the device throughout; the host reads the batch
+    #    only every `check_every` steps (to stop, or to drop finished rows).
+    for step in range(max_new_tokens):
+        running = ~stopped[active]  # (b,) rows whose token counts
+        out_tokens[active, step] = torch.where(running, tokens, 0)
+        out_logp[active, step] = torch.where(running, logp, 0.0)
+        hit = running & torch.isin(tokens, stop_ids)  # (b,)
+        lengths[active] = torch.where(hit, step + 1, lengths[active])
+        stopped[active] = stopped[active] | hit
+        if step + 1 == max_new_tokens:
+            break
+        if (step + 1) % check_every == 0:
+            keep = ~stopped[active]  # (b,)
+            left = int(keep.sum())  # the host read
+            if left == 0:
+                break
+            if len(active) - left >= max(1, compact_fraction * len(active)):
+                # Finished rows cost a full forward per step; dropping them copies the cache once.
+                rows = keep.nonzero().squeeze(-1)
+                cache.select_rows(rows)
+                active, tokens, keys = active[rows], tokens[rows], keys[rows]
+        routing = Routing() if record else None
+        draw = torch.full((1,), step + 1, dtype=torch.long, device=device)  # a fill, not a copy
+        with torch.fx.experimental._config.patch(use_duck_shape=False):  # see compiled_step
+            tokens, logp = step_fn(model, tokens, cache, keys, draw, temperature, top_p, top_k,
+                                   routing)  # (b,), (b,): the next token of each row
+        if record:  # the token fed at this step sits at position prompt_len + step
+            routes[active, cache.max_len - max_new_tokens + step] = (
+                routing.stacked(model.config)[:, 0].short())
+    return completions(prompts, row_prompt, out_tokens, out_logp, lengths, stopped, routes,
+                       cache.max_len - max_new_tokens)
+
+
+def prefill(model, prompts, counts, max_new_tokens, record):
+    """Left-pads the prompts, runs them through the model once into a new KV cache, and copies
+    each prompt's cache rows to its samples'.
+    -> cache (decoding), logits (B, V) of the last prompt token, row_prompt (B,), routes or None."""
     device = model.device
     prompt_len = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), prompt_len, dtype=torch.long)  # (N, P), left-padded
@@ -165,67 +260,57 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     for i, p in enumerate(prompts):
         ids[i, prompt_len - len(p):] = torch.tensor(p)
         real[i, prompt_len - len(p):] = 1
-    ids, real = ids.to(device), real.to(device)
-
-    # 1. Prefill each prompt once, then give each of its samples a copy of its cache rows.
     cache = KVCache(model.config, len(prompts), prompt_len + max_new_tokens, model.dtype, device)
-    record = record_routing and model.config.num_experts > 0
     routing = Routing() if record else None
-    logits = model(ids, real, cache=cache, last_only=True, routing=routing)[:, -1].float()  # (N, V)
+    logits = model(ids.to(device), real.to(device), cache=cache, last_only=True,
+                   routing=routing)[:, -1].float()  # (N, V)
     row_prompt = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(counts))  # (B,)
     cache.select_rows(row_prompt.to(device))
-    logits = logits[row_prompt.to(device)]  # (B, V)
+    cache.decoding = True
     routes = (routes_buffer(model, routing, row_prompt.to(device), max_new_tokens) if record
               else None)  # (B, P + N_new, L, k)
+    return cache, logits[row_prompt.to(device)], row_prompt, routes
 
-    B = len(row_prompt)
-    out_tokens = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)  # (B, N_new)
-    out_logp = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)  # (B, N_new)
-    lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)  # (B,)
-    stopped = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
-    stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
-    active = torch.arange(B, device=device)  # rows still in the batch (some may have stopped)
-    # One generator per prompt, drawing one uniform per sample row per step: a prompt's samples
-    # depend only on its own seed, not on what else is in the batch (so a run's samples do not
-    # depend on how prompts are split over ranks or batches, nor on dropping finished rows).
-    seeds = [seed * 1_000_003 + i for i in range(len(prompts))] if isinstance(seed, int) else list(seed)
-    if len(seeds) != len(prompts):
-        raise ValueError(f"generate: seed must be an int or one int per prompt, got {seed!r}")
-    generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
-    # 2. Decode: one token per row per step.
-    for step in range(max_new_tokens):
-        uniforms = torch.cat([torch.rand(c, generator=g, device=device)
-                              for g, c in zip(generators, counts)])[active]  # (b,)
-        tokens, logp = sample_tokens(logits, uniforms, temperature, top_p, top_k)  # (b,), (b,)
-        running = ~stopped[active]  # (b,) rows whose token counts
-        out_tokens[active, step] = torch.where(running, tokens, 0)
-        out_logp[active, step] = torch.where(running, logp, 0.0)
-        hit = running & torch.isin(tokens, stop_ids)  # (b,)
-        lengths[active[hit]] = step + 1
-        stopped[active[hit]] = True
-        if step + 1 == max_new_tokens or bool(stopped.all()):
-            break
-        keep = ~stopped[active]  # (b,)
-        if (~keep).sum() >= max(1, compact_fraction * len(active)):
-            # Finished rows cost a full forward per step; dropping them copies the cache once.
-            rows = keep.nonzero().squeeze(-1)
-            cache.select_rows(rows)
-            active, tokens = active[rows], tokens[rows]
-        routing = Routing() if record else None
-        logits = model(tokens[:, None], cache=cache, routing=routing)[:, -1].float()  # (b, V)
-        if record:  # the token sampled at `step` sits at position prompt_len + step
-            routes[active, prompt_len + step] = routing.stacked(model.config)[:, 0].short()
+def decode_step(model, tokens, cache, keys, draw, temperature, top_p, top_k, routing=None):
+    """Feeds each row's last token (b,) and samples its next: -> tokens (b,), logprobs (b,).
+    draw (1,): the step's index in each row's random stream. One graph for torch.compile."""
+    logits = model.decode(tokens, cache, routing)  # (b, V) float32
+    return sample_tokens(logits, step_uniforms(keys, draw), temperature, top_p, top_k)
 
+
+def compiled_by_default(model) -> bool:
+    """Where `generate` compiles its decode step unless told: measured faster there."""
+    return model.device.type == "cuda"
+
+
+_COMPILED = {}
+
+
+def compiled_step(device):
+    """decode_step through torch.compile, made once per device type: one whole graph
+    (fullgraph), shapes dynamic on the CPU (a new batch size or cache length is no new compile),
+    CUDA graphs on a GPU (mode reduce-overhead: the step replays without a launch per kernel).
+    Without duck shapes: by default, sizes that are equal when first seen share one symbol, so a
+    batch of 64 rows would be fixed at 64 along with a head size of 64."""
+    if device.type not in _COMPILED:
+        options = (dict(mode="reduce-overhead") if device.type == "cuda" else dict(dynamic=True))
+        _COMPILED[device.type] = torch.compile(decode_step, fullgraph=True, **options)
+    return _COMPILED[device.type]
+
+
+def completions(prompts, row_prompt, out_tokens, out_logp, lengths, stopped, routes, prompt_len):
+    """The decode loop's tensors -> list[Completion], one per row (prompt-major)."""
     out_tokens, out_logp = out_tokens.cpu(), out_logp.cpu()
     lengths, stopped = lengths.cpu().tolist(), stopped.cpu().tolist()
-    routes = routes.cpu() if record else None
+    routes = routes.cpu() if routes is not None else None
     starts = [prompt_len - len(prompts[int(g)]) for g in row_prompt]  # each row's first real slot
     return [Completion(prompt_index=int(row_prompt[r]), tokens=out_tokens[r, :lengths[r]].tolist(),
                        logprobs=out_logp[r, :lengths[r]].tolist(),
                        finish_reason="stop" if stopped[r] else "length",
-                       routing=routes[r, starts[r]:prompt_len + lengths[r]] if record else None)
-            for r in range(B)]
+                       routing=routes[r, starts[r]:prompt_len + lengths[r]] if routes is not None
+                       else None)
+            for r in range(len(row_prompt))]
 
 
 def routes_buffer(model, routing, row_prompt, max_new_tokens):

@@ -238,7 +238,7 @@ def pick_stop_tokens(completions, horizon):
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2"])
-def test_stop_and_compaction_do_not_change_samples(tiny, family):
+def test_stop_and_compaction_do_not_change_samples(tiny, family, monkeypatch):
     """A row ends at its first stop token; compaction (finished rows dropped from the batch)
     leaves every sample as it is, because the uniforms are drawn per original row."""
     model = tiny(family)
@@ -254,26 +254,24 @@ def test_stop_and_compaction_do_not_change_samples(tiny, family):
         expected.append((c.tokens, "length") if cut is None else (c.tokens[:cut + 1], "stop"))
     assert any(r == "stop" for _, r in expected) and any(r == "length" for _, r in expected)
 
-    sizes = []
-    hook = model.register_forward_pre_hook(lambda m, args: sizes.append(args[0].shape[0]))
-    try:
-        for fraction in (1.1, 0.25, 0.0):
-            sizes.clear()
-            out = generate(model, prompts, stop_token_ids=stop, compact_fraction=fraction, **kw)
-            for c, f, (toks, reason) in zip(out, free, expected):
-                assert c.tokens == toks and c.finish_reason == reason, fraction
-                if reason == "stop":
-                    assert c.tokens[-1] in stop and not set(c.tokens[:-1]) & set(stop)
-                assert len(c.logprobs) == len(c.tokens)
-                assert c.logprobs == pytest.approx(f.logprobs[:len(toks)], abs=1e-4)
-            if sizes:  # the decode batch shrinks only when compaction is on
-                decode = sizes[1:]
-                if fraction > 1:
-                    assert set(decode) == {len(out)}, decode
-                else:
-                    assert min(decode) < len(out), (fraction, decode)
-    finally:
-        hook.remove()
+    sizes = []  # the batch of each decode step
+    decode = model.decode
+    monkeypatch.setattr(model, "decode", lambda tokens, *args: sizes.append(len(tokens))
+                        or decode(tokens, *args))
+    for fraction in (1.1, 0.25, 0.0):
+        sizes.clear()
+        out = generate(model, prompts, stop_token_ids=stop, compact_fraction=fraction, **kw)
+        for c, f, (toks, reason) in zip(out, free, expected):
+            assert c.tokens == toks and c.finish_reason == reason, fraction
+            if reason == "stop":
+                assert c.tokens[-1] in stop and not set(c.tokens[:-1]) & set(stop)
+            assert len(c.logprobs) == len(c.tokens)
+            assert c.logprobs == pytest.approx(f.logprobs[:len(toks)], abs=1e-4)
+        assert sizes  # the decode batch shrinks only when compaction is on
+        if fraction > 1:
+            assert set(sizes) == {len(out)}, sizes
+        else:
+            assert min(sizes) < len(out), (fraction, sizes)
 
 
 def test_stop_on_first_token_and_all_rows(tiny):
