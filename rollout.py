@@ -7,20 +7,24 @@ How one call runs:
 1. Prompts (token-id lists) are left-padded to a common length and prefilled once each.
 2. Each prompt's cache rows are copied to its G sample rows (prompt-major: prompt 0's G samples
    come first in the output).
-3. Decode loop: sample one token per row, write it into the cache in place, repeat. Sampling is
-   inverse-CDF (cumulative sum + searchsorted, one seeded uniform per row): at a 49k vocabulary
-   it is ~30x cheaper than torch.multinomial.
-4. A row stops at its first stop token; once a quarter of the rows have stopped, the finished
-   rows are dropped from the batch so they stop costing work.
+3. Decode loop: `decode_step` feeds one token per row (`Transformer.decode`, written into the
+   cache in place) and samples the next by inverse CDF (cumulative sum + searchsorted: at a 49k
+   vocabulary ~30x cheaper than torch.multinomial) with one uniform per row, a hash of (the
+   prompt's seed, the sample's index, the step): no generator, no loop over prompts, and a
+   prompt's samples never depend on the batch around it. The step is one torch.compile graph
+   (`compile=True`; CUDA graphs on a GPU).
+4. The host reads the batch only every `check_every` steps: to end when every row has stopped
+   (at its first stop token), and, once a quarter of the rows have stopped, to drop the finished
+   rows so they stop costing work.
 
 Each completion's `.logprobs` are those of the distribution the token was drawn from: the logits
 divided by the temperature, before top-k/top-p truncation (at temperature 1, the policy's own
 log-probs). The trainer computes its own at the same temperature and logs the gap. At
 temperature 0 (greedy) they are the untempered policy's log-probs.
 
-`python rollout.py --bench` times this sampler against transformers' `generate` on the same
-weights, batch, lengths and dtype, side by side in one process, and prints the ratios and the
-fraction of the matmul-only bound. Tests: `python -m pytest tests/test_rollout.py`.
+`python rollout.py --bench` times this sampler, eager and compiled, against transformers'
+`generate`, eager and with a compiled static cache, on the same weights, batch, lengths and
+dtype, side by side in one process: ratios, fraction of the matmul-only bound, compile time. Tests: `python -m pytest tests/test_rollout.py`.
 """
 
 import argparse
@@ -347,26 +351,74 @@ def matmul_bound_seconds(model: Transformer, rows: int, repeats=5) -> float:
     return min(times)
 
 
+def bench_prompts(tokenizer, count):
+    questions = [f"What is {a} + {b}?" for a, b in zip(range(3, 200, 13), range(90, 7, -5))]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                           add_generation_prompt=True, tokenize=False)
+             for q in questions][:count]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def timed(run, device):
+    sync(device)
+    start = time.perf_counter()
+    run()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def bench_paths(ours, hf, prompts, args):
+    """{name: run()}: our sampler eager and compiled, transformers' generate eager and with its
+    fastest documented setup (static cache, forward through torch.compile), same batch."""
+    device, rows = ours.device, args.prompts * args.samples
+    pad = hf.generation_config.pad_token_id
+    width = max(map(len, prompts))
+    hf_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    starts = torch.tensor([width - len(p) for p in prompts], device=device)
+    hf_mask = torch.arange(width, device=device)[None] >= starts[:, None]  # (N, P) left padding
+    hf_compiled = torch.compile(hf.forward, fullgraph=True,
+                                mode="reduce-overhead" if device.type == "cuda" else None)
+
+    def ours_run(compiled):
+        out = generate(ours, prompts, num_samples=args.samples, max_new_tokens=args.new_tokens,
+                       temperature=1.0, stop_token_ids=[], seed=0, compile=compiled)
+        assert all(len(c.tokens) == args.new_tokens for c in out)
+
+    def hf_run(static):
+        with torch.no_grad():
+            out = hf.generate(hf_ids, attention_mask=hf_mask.long(), do_sample=True,
+                              temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
+                              min_new_tokens=args.new_tokens, num_return_sequences=args.samples,
+                              cache_implementation="static" if static else None)
+        assert out.shape == (rows, width + args.new_tokens)
+
+    def hf_static_compiled():
+        hf.forward = hf_compiled
+        try:
+            hf_run(static=True)
+        finally:
+            del hf.forward  # back to the class's eager forward
+
+    return {"ours eager": lambda: ours_run(False), "ours compiled": lambda: ours_run(True),
+            "transformers eager": lambda: hf_run(False),
+            "transformers static+compiled": hf_static_compiled}
+
+
 def bench(args):
+    """Tokens per second of each path (median of alternated runs), the ratio to transformers'
+    eager generate, the fraction of the matmul-only bound, and each path's first-call time
+    (compiling included) for every dtype."""
     from transformers import AutoModelForCausalLM
-    from model import cache_root, load_model
-    import glob
-    import os
+    from model import converted_dir, cpu_has_bf16, cpu_name, load_model
     torch.manual_seed(0)
     device = torch.device(args.device)
     _, tokenizer = load_model(args.model, device="cpu")
-    model_dir = args.model or sorted(glob.glob(os.path.join(cache_root(), "SmolLM2-135M-*")))[0]
-    questions = [f"What is {a} + {b}?" for a, b in zip(range(3, 200, 13), range(90, 7, -5))]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                             add_generation_prompt=True, tokenize=False)
-               for q in questions][:args.prompts]
-    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    rows = args.prompts * args.samples
+    prompts = bench_prompts(tokenizer, args.prompts)
+    tokens = args.prompts * args.samples * args.new_tokens
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
-             else f"CPU, {torch.get_num_threads()} threads")
+             else f"{cpu_name()}, {torch.get_num_threads()} threads")
     print(f"{args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
           f"temperature 1, no early stop, {where}")
-    from model import cpu_has_bf16
     dtypes = args.dtypes.split(",") if args.dtypes else (
         ["float32", "bfloat16"] if cpu_has_bf16() or device.type == "cuda" else ["float32"])
     if "bfloat16" not in dtypes:
@@ -374,43 +426,21 @@ def bench(args):
               "AMX), so bf16 runs slower than fp32 here; force it with --dtypes float32,bfloat16")
     for dtype in [getattr(torch, d) for d in dtypes]:
         ours, _ = load_model(args.model, dtype=dtype, device=device)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        hf = AutoModelForCausalLM.from_pretrained(args.model or converted_dir(),
+                                                  dtype=dtype).to(device).eval()
         hf.generation_config.pad_token_id = tokenizer.pad_token_id or 0
-        pad = hf.generation_config.pad_token_id
-        width = max(map(len, prompts))
-        hf_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-        hf_mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-        hf_mask = hf_mask.to(device)
-
-        def run_ours():
-            out = generate(ours, prompts, num_samples=args.samples, max_new_tokens=args.new_tokens,
-                           temperature=1.0, stop_token_ids=[], seed=0)
-            assert all(len(c.tokens) == args.new_tokens for c in out)
-
-        def run_hf():
-            with torch.no_grad():
-                out = hf.generate(hf_ids, attention_mask=hf_mask, do_sample=True, temperature=1.0,
-                                  top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
-                                  min_new_tokens=args.new_tokens,
-                                  num_return_sequences=args.samples)
-            assert out.shape == (rows, width + args.new_tokens)
-
-        run_ours(), run_hf()  # warm-up
-        t_ours, t_hf = [], []
-        for _ in range(args.repeats):  # alternate, so drift hits both alike
-            for run, times in ((run_ours, t_ours), (run_hf, t_hf)):
-                sync(device)
-                t = time.perf_counter()
-                run()
-                sync(device)
-                times.append(time.perf_counter() - t)
-        tokens = rows * args.new_tokens
-        ours_tps, hf_tps = tokens / statistics.median(t_ours), tokens / statistics.median(t_hf)
-        bound = matmul_bound_seconds(ours, rows)
-        name = str(dtype).replace("torch.", "")
-        print(f"{name:8s} ours {ours_tps:7.0f} tok/s   transformers {hf_tps:7.0f} tok/s   "
-              f"ratio {ours_tps / hf_tps:4.2f}x   matmul-only bound {rows / bound:6.0f} tok/s "
-              f"(ours at {ours_tps * bound / rows:4.0%} of it)")
+        paths = bench_paths(ours, hf, prompts, args)
+        first = {name: timed(run, device) for name, run in paths.items()}  # compiles here
+        times = {name: [] for name in paths}
+        for _ in range(args.repeats):  # alternate, so drift hits every path alike
+            for name, run in paths.items():
+                times[name].append(timed(run, device))
+        rate = {name: tokens / statistics.median(t) for name, t in times.items()}
+        bound = args.prompts * args.samples / matmul_bound_seconds(ours, args.prompts * args.samples)
+        print(f"{str(dtype).replace('torch.', '')}: matmul-only bound {bound:.0f} tok/s")
+        for name in paths:
+            print(f"  {name:30s} {rate[name]:7.0f} tok/s  {rate[name] / rate['transformers eager']:5.2f}x"
+                  f"  {rate[name] / bound:4.0%} of the bound  first call {first[name]:6.1f} s")
 
 
 def main():

@@ -10,7 +10,7 @@ import torch
 
 from conftest import FAMILIES, random_ids
 from model import load_model, token_logprobs
-from rollout import Completion, generate, sample_tokens
+from rollout import Completion, generate, sample_keys, sample_tokens, step_uniforms
 
 LP_TOL = 1e-3  # sampler log-probs against a fresh forward pass (issue 2, acceptance 2)
 
@@ -481,3 +481,110 @@ def test_recorded_routing_is_what_a_fresh_forward_routes(tiny):
         assert (c.routing[-1] == -1).all() or torch.equal(c.routing[-1].long(), want[-1])
     dense = generate(tiny("llama"), [[5, 6, 7]], max_new_tokens=3, record_routing=True)
     assert all(c.routing is None for c in dense)
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode step: counter-based uniforms, compiled == eager, one host read per check
+# ---------------------------------------------------------------------------------------------
+
+def test_sample_keys_and_uniforms_are_a_prompts_own():
+    """A row's key depends on its prompt's seed and its sample index only; a step's uniforms
+    are a function of (key, step): the same alone or beside other rows."""
+    both = sample_keys([5, 6, 2**40 + 5], [2, 3, 1])  # (6,)
+    assert torch.equal(both[2:5], sample_keys([6], [3])) and torch.equal(both[:2], sample_keys([5], [2]))
+    assert both[5] != both[0]  # the seed's high bits count
+    assert len(set(both.tolist())) == 6
+    for step in (0, 1, 17):
+        assert torch.equal(step_uniforms(both, step)[2:5], step_uniforms(sample_keys([6], [3]), step))
+        assert torch.equal(step_uniforms(both, step), step_uniforms(both, torch.tensor([step])))
+    assert not torch.equal(step_uniforms(both, 0), step_uniforms(both, 1))
+
+
+def test_step_uniforms_are_uniform():
+    keys = sample_keys(range(64), [16] * 64)  # (1024,)
+    u = torch.cat([step_uniforms(keys, step) for step in range(64)])  # 65,536 draws
+    assert u.min() >= 0 and u.max() < 1
+    counts = torch.histc(u, bins=16, min=0, max=1)
+    expected = len(u) / 16
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 40  # chi-square, 15 degrees of freedom: p ~ 5e-4
+    lag = torch.corrcoef(torch.stack([step_uniforms(keys, 3), step_uniforms(keys, 4)]))[0, 1]
+    assert abs(lag) < 0.1  # successive steps of a row are not correlated
+
+
+@pytest.mark.slow  # compiles a tiny model's step: ~5-15 s each
+@pytest.mark.parametrize("family", ["llama3", "mistral"])
+def test_compiled_step_equals_eager(tiny, family):
+    """The compiled decode step gives the eager one's greedy tokens and, for one seed, its
+    samples and log-probs (within float32 rounding), stop tokens and compaction included, and a
+    new batch size or prompt length is no new compile (shapes are dynamic)."""
+    import torch._dynamo
+    model = tiny(family)
+    prompts = tiny_prompts(model.config.vocab_size, lengths=(7, 12, 3, 9, 5))
+    torch._dynamo.reset()
+    for kw in (dict(temperature=0.0), dict(temperature=1.0, seed=3, stop_token_ids=[9, 17, 30]),
+               dict(temperature=0.8, top_p=0.9, top_k=20, seed=4)):
+        kw = dict(num_samples=3, max_new_tokens=20, **kw)
+        eager = generate(model, prompts, compile=False, **kw)
+        compiled = generate(model, prompts, compile=True, **kw)
+        for a, b in zip(eager, compiled):
+            assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    generate(model, prompts[:2], num_samples=2, max_new_tokens=9, temperature=1.0, compile=True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
+
+
+def test_the_decode_loop_reads_the_host_once_per_check(tiny, monkeypatch):
+    """Between the first decode step and the end, the host reads a device value only at the
+    checks every `check_every` steps (on CUDA each read would stall the stream)."""
+    import rollout
+    model = tiny("llama3")
+    reads, decoding = [], []
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            if decoding:
+                reads.append(_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    decode, completions = model.decode, rollout.completions
+    monkeypatch.setattr(model, "decode", lambda *a: decoding.append(1) or decode(*a))
+    monkeypatch.setattr(rollout, "completions", lambda *a: decoding.clear() or completions(*a))
+    generate(model, tiny_prompts(model.config.vocab_size), num_samples=2, max_new_tokens=30,
+             temperature=1.0, stop_token_ids=[], check_every=8, compile=False)
+    assert len(decoding) == 0 and reads.count("__int__") == 3 and len(reads) == 3, reads
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_no_host_sync_between_checks_on_cuda(tiny_ckpt, compiled):
+    """torch.cuda.set_sync_debug_mode("error") raises at any synchronising call: none may come
+    from a decode step (the checks every `check_every` steps are the only ones)."""
+    import rollout
+    model = load_model(tiny_ckpt("llama3"), dtype=torch.float32, device="cuda")[0]
+    prompts = tiny_prompts(model.config.vocab_size)
+    kw = dict(num_samples=2, max_new_tokens=12, temperature=1.0, stop_token_ids=[9], seed=1)
+    want = generate(model, prompts, compile=compiled, **kw)  # warm-up (and compile)
+    step_fn = rollout.compiled_step(model.device) if compiled else rollout.decode_step
+
+    def strict_step(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return step_fn(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    original = rollout.compiled_step if compiled else rollout.decode_step
+    try:
+        if compiled:
+            rollout.compiled_step = lambda device: strict_step
+        else:
+            rollout.decode_step = strict_step
+        got = generate(model, prompts, compile=compiled, **kw)
+    finally:
+        if compiled:
+            rollout.compiled_step = original
+        else:
+            rollout.decode_step = original
+    assert [c.tokens for c in got] == [c.tokens for c in want]
