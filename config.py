@@ -121,6 +121,9 @@ def sampling_flags(g):
     g.add_argument("--max-new-tokens", type=int, default=64, help="completion budget (L_max)")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    g.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="the sampler's decode step through torch.compile (auto: on CUDA, where it "
+                        "wins; on a CPU its compile time outweighs its gain in a short run)")
     g.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,
                    help="DAPO eq. 11: drop groups whose answers are all right or all wrong, refill")
     g.add_argument("--max-refills", type=int, default=10, help="extra rollout rounds per step")
@@ -311,3 +314,9 @@ def overlong_cache_tokens(args):
     if args.overlong_cache < 1:
         return max(1, round(args.overlong_cache * args.max_new_tokens))
     return int(args.overlong_cache)
+
+
+def compile_choice(args):
+    """--compile as rollout.generate's `compile`: None (auto, its own choice), True or False.
+    Runs configured before the flag existed mean auto."""
+    return {"auto": None, "on": True, "off": False}[getattr(args, "compile", "auto")]

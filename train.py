@@ -240,7 +240,8 @@ def sample_and_reward(run, records, num_samples, seeds):
     played = episodes.play(run.sampler.eval(), tokenizer, records, num_samples, seeds,
                            template=args.template, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p,
-                           stop_token_ids=run.stop_ids, record_routing=args.routing_replay)
+                           stop_token_ids=run.stop_ids, compile=config.compile_choice(args),
+                           record_routing=args.routing_replay)
     group = [g for g, n in enumerate(num_samples) for _ in range(n)]  # (E,) prompt of each episode
     scored = [rewards.math_reward(turns[-1].text, records[g]["answer"],
                                   **reward_options(args, turns[-1].completion))
@@ -1000,7 +1001,8 @@ def heldout_accuracy(run, samples=1, temperature=0.0, top_p=1.0, rows_per_call=6
         rows = order[at:at + per_call]
         played = episodes.play(run.sampler.eval(), tokenizer, [run.heldout[i] for i in rows],
                                samples, at, template=args.template, max_new_tokens=args.max_new_tokens,
-                               temperature=temperature, top_p=top_p, stop_token_ids=run.stop_ids)
+                               temperature=temperature, top_p=top_p, stop_token_ids=run.stop_ids,
+                               compile=config.compile_choice(args))
         for j, episode in enumerate(played):  # prompt-major: problem rows[j // samples]
             right += rewards.is_correct(episode[-1].text, run.heldout[rows[j // samples]]["answer"])
             length += sum(len(t.completion.tokens) for t in episode)

@@ -10,7 +10,8 @@ import torch
 
 from conftest import FAMILIES, random_ids
 from model import load_model, token_logprobs
-from rollout import Completion, generate, sample_keys, sample_tokens, step_uniforms
+from rollout import (Completion, generate, inverse_cdf, sample_keys, sample_tokens,
+                     step_uniforms)
 
 LP_TOL = 1e-3  # sampler log-probs against a fresh forward pass (issue 2, acceptance 2)
 
@@ -588,3 +589,20 @@ def test_no_host_sync_between_checks_on_cuda(tiny_ckpt, compiled):
         else:
             rollout.decode_step = original
     assert [c.tokens for c in got] == [c.tokens for c in want]
+
+
+def test_two_level_inverse_cdf_is_the_one_level_one():
+    """inverse_cdf in chunks picks what one cumulative sum over the vocabulary picks (integer
+    weights: every sum exact), never a zero-weight token, and at the edges u = 0 and u -> 1."""
+    g = torch.Generator().manual_seed(0)
+    weights = torch.randint(0, 4, (64, 1000), generator=g).float()  # 0 = a truncated token
+    weights[:, 997:] = 0  # a zero tail: the padding chunk and the last chunk end on zeros
+    weights[0] = 0
+    weights[0, 300] = 5  # one token alone
+    uniforms = torch.cat([torch.tensor([0.0, 1 - 2**-24]), torch.rand(62, generator=g)])
+    cdf = weights.cumsum(-1)
+    want = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+    for chunk in (7, 256, 1024):
+        got = inverse_cdf(weights, uniforms, chunk=chunk)
+        assert torch.equal(got, want), chunk
+        assert (weights.gather(-1, got[:, None]) > 0).all()
