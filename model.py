@@ -568,6 +568,7 @@ class KVCache:
         # slot: no Python number changes between its steps, so one compiled graph serves them all.
         self.decoding = False
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # (1,)
+        self.visible = max_len  # slots a decode step reads: all (compiled), or a filled prefix
 
     def write(self, layer, k, v):
         """Stores k, v (B, Hkv, T, D) at slots [length, length + T) and returns the filled prefix;
@@ -575,7 +576,7 @@ class KVCache:
         if self.decoding:
             self.k[layer].index_copy_(2, self.slot, k)
             self.v[layer].index_copy_(2, self.slot, v)
-            return self.k[layer], self.v[layer]
+            return self.k[layer][:, :, :self.visible], self.v[layer][:, :, :self.visible]
         end = self.length + k.shape[2]
         self.k[layer][:, :, self.length:end] = k
         self.v[layer][:, :, self.length:end] = v
@@ -693,16 +694,18 @@ class Transformer(nn.Module):
         which then moves on by one. The sampler's decode step (rollout.py), after a prefill by
         forward and `cache.decoding = True`.
 
-        Every slot of the cache is read, the unfilled ones masked out: shapes and code stay the
-        same from step to step, so torch.compile takes the step whole, once (CUDA graphs too).
+        The first `cache.visible` slots are read, the unfilled ones masked out. Left at the whole
+        cache, shapes and code stay the same from step to step, so torch.compile takes the step
+        whole, once (CUDA graphs too); an eager caller may narrow it to the filled prefix.
         """
         positions = cache.next_pos[:, None]  # (B, 1) each row's next rotary position
         cache.valid.index_fill_(1, cache.slot, True)
         cache.pos.index_copy_(1, cache.slot, positions)
-        full = cache.valid[:, None, None, :]  # (B, 1, 1, S): filled slots, this one included
+        S = cache.visible
+        full = cache.valid[:, None, None, :S]  # (B, 1, 1, S): filled slots, this one included
         masks = {"full": full, "sliding": full}
         if self.config.sliding_window:  # Mistral, Gemma: only keys at positions > p - window
-            near = (positions[:, :, None] - cache.pos[:, None, :]) < self.config.sliding_window
+            near = (positions[:, :, None] - cache.pos[:, None, :S]) < self.config.sliding_window
             masks["sliding"] = full & near[:, None]  # (B, 1, 1, S)
         x = self.embed(tokens[:, None])  # (B, 1, C)
         rotary = self.rotary(positions, x.dtype)

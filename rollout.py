@@ -207,10 +207,12 @@ def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_
 @torch.no_grad()
 def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, temperature=1.0,
              top_p=1.0, top_k=0, stop_token_ids=(), seed=0, compile=None, compact_fraction=0.25,
-             check_every=8, record_routing=False):
+             check_every=None, record_routing=False):
     """prompts: list of token-id lists; num_samples: int, or one int per prompt; seed: int, or one
     int per prompt. compile: run the decode step through torch.compile (None: where it is faster,
-    see `compiled_by_default`). record_routing: on an MoE model, each Completion's `.routing`
+    see `compiled_by_default`). check_every: steps between the host's looks at which rows have
+    stopped (None: 8 on a GPU, where a look stalls the queue of kernels; 1 on a CPU, where it
+    costs nothing and each look can end the loop sooner). record_routing: on an MoE model, each Completion's `.routing`
     holds the experts every position went to (for routing replay in the update).
 
     -> list[Completion], prompt-major. The same seed gives the same samples.
@@ -225,10 +227,12 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     # An MoE groups tokens by expert with a host read (and recording routes is eager work).
     step_fn = (compiled_step(model.device) if compile and model.config.num_experts == 0
                and not record else decode_step)
+    check_every = check_every or (8 if model.device.type == "cuda" else 1)
 
     # 1. Prefill each prompt once, then give each of its samples a copy of its cache rows.
     cache, logits, row_prompt, routes = prefill(model, prompts, counts, max_new_tokens, record)
     B, device = len(row_prompt), model.device
+    prompt_len = cache.max_len - max_new_tokens
     keys = sample_keys(seeds, counts).to(device)  # (B,) each row's random stream
     tokens, logp = sample_tokens(logits, step_uniforms(keys, 0), temperature, top_p, top_k)
     tokens = tokens.clone()  # (B,) not a view: a compiled step would recompile for a view's base
@@ -261,15 +265,16 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
                 cache.select_rows(rows)
                 active, tokens, keys = active[rows], tokens[rows], keys[rows]
         routing = Routing() if record else None
+        if step_fn is decode_step:  # eager: read only the filled slots, in buckets of 32
+            cache.visible = min(cache.max_len, -(-(prompt_len + step + 1) // 32) * 32)
         draw = torch.full((1,), step + 1, dtype=torch.long, device=device)  # a fill, not a copy
         with torch.fx.experimental._config.patch(use_duck_shape=False):  # see compiled_step
             tokens, logp = step_fn(model, tokens, cache, keys, draw, temperature, top_p, top_k,
                                    routing)  # (b,), (b,): the next token of each row
         if record:  # the token fed at this step sits at position prompt_len + step
-            routes[active, cache.max_len - max_new_tokens + step] = (
-                routing.stacked(model.config)[:, 0].short())
+            routes[active, prompt_len + step] = routing.stacked(model.config)[:, 0].short()
     return completions(prompts, row_prompt, out_tokens, out_logp, lengths, stopped, routes,
-                       cache.max_len - max_new_tokens)
+                       prompt_len)
 
 
 def prefill(model, prompts, counts, max_new_tokens, record):

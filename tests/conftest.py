@@ -175,10 +175,8 @@ def smollm2():
 def smollm2_dir(smollm2, tmp_path_factory):
     """A checkpoint directory of the bundled model's weights that transformers can load: the
     converted cache directory, or (if its naming changes) a fresh save_model copy."""
-    from model import bundled_gguf_path, cache_root, save_model
-    gguf = bundled_gguf_path()
-    stem = os.path.basename(gguf)[:-len(".gguf")]
-    path = os.path.join(cache_root(), f"{stem}-{os.stat(gguf).st_size}")
+    from model import converted_dir, save_model
+    path = converted_dir()
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     return save_model(smollm2[0], smollm2[1], str(tmp_path_factory.mktemp("smollm2") / "ckpt"))
