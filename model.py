@@ -901,7 +901,9 @@ LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 def compile_blocks(model: Transformer) -> Transformer:
     """torch.compile each block in place, the usual way to compile a training forward: one small
     graph that every block reuses (compile time of one block), under activation checkpointing
-    and sharding alike; shapes dynamic, so new sequence lengths do not recompile."""
+    and sharding alike; shapes dynamic, so new sequence lengths do not recompile. Only for a
+    model that never decodes: a compiled block would retrace the sampler's cache writes (train.py
+    samples from the policy itself on the fp32 path, so it leaves its blocks eager for now)."""
     for block in model.layers:
         block.compile(dynamic=True)
     return model
