@@ -658,6 +658,9 @@ class Transformer(nn.Module):
         real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
                 else attention_mask.bool())  # (B, T)
         start = 0 if cache is None else cache.length
+        if cache is not None and cache.decoding:
+            raise ValueError("this KV cache is decoding (Transformer.decode): forward would "
+                             "overwrite the slots decoded since its prefill")
         if cache is None:
             positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
             keys_real, key_pos = real, positions  # (B, S=T)

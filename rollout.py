@@ -13,7 +13,7 @@ How one call runs:
    uniform per row, a hash of (the
    prompt's seed, the sample's index, the step): no generator, no loop over prompts, and a
    prompt's samples never depend on the batch around it. The step is one torch.compile graph
-   (`compile=True`; CUDA graphs on a GPU).
+   (`compile=True`).
 4. The host reads the batch only every `check_every` steps: to end when every row has stopped
    (at its first stop token), and, once a quarter of the rows have stopped, to drop the finished
    rows so they stop costing work.
@@ -25,7 +25,8 @@ temperature 0 (greedy) they are the untempered policy's log-probs.
 
 `python rollout.py --bench` times this sampler, eager and compiled, against transformers'
 `generate`, eager and with a compiled static cache, on the same weights, batch, lengths and
-dtype, side by side in one process: ratios, fraction of the matmul-only bound, compile time. Tests: `python -m pytest tests/test_rollout.py`.
+dtype, side by side in one process: ratios, fraction of the matmul-only bound, compile time.
+Tests: `python -m pytest tests/test_rollout.py`.
 """
 
 import argparse
@@ -152,8 +153,8 @@ def inverse_cdf(weights, uniforms, chunk=256):
 # as 1, 2, 3"): the uniform of sample row r at decode step t is a hash of (r's key, t), so a whole
 # step's uniforms are one vectorised computation on the device, with no generator state, and a
 # row's stream depends on its prompt's seed and its sample index only, never on the batch around
-# it. The mixer is a 32-bit integer hash (Wellons' "lowbias32"), in int64 so products never
-# overflow what the mask keeps.
+# it. The mixer is a 32-bit integer hash (Wellons' "lowbias32"), in int64, its multipliers chosen
+# below 2^31 in magnitude so that no product overflows (compiled C++ must not rely on wrapping).
 
 def hash32(x):
     """x int64 (any shape, or an int) in [0, 2^32) -> a well-mixed int64 in [0, 2^32)."""
@@ -161,7 +162,7 @@ def hash32(x):
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & 0xFFFFFFFF
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x = (x * -0x7B935975) & 0xFFFFFFFF  # 0x846CA68B - 2^32: the same low 32 bits, |x c| < 2^63
     return x ^ (x >> 16)
 
 
@@ -212,13 +213,14 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     int per prompt. compile: run the decode step through torch.compile (None: where it is faster,
     see `compiled_by_default`). check_every: steps between the host's looks at which rows have
     stopped (None: 8 on a GPU, where a look stalls the queue of kernels; 1 on a CPU, where it
-    costs nothing and each look can end the loop sooner). record_routing: on an MoE model, each Completion's `.routing`
-    holds the experts every position went to (for routing replay in the update).
+    costs nothing and each look can end the loop sooner). record_routing: on an MoE model, each
+    Completion's `.routing` holds the experts every position went to (for routing replay).
 
     -> list[Completion], prompt-major. The same seed gives the same samples.
     """
     counts = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p, top_k)
-    seeds = [seed * 1_000_003 + i for i in range(len(prompts))] if isinstance(seed, int) else list(seed)
+    seeds = ([seed * 1_000_003 + i for i in range(len(prompts))] if isinstance(seed, int)
+             else list(seed))
     if len(seeds) != len(prompts):
         raise ValueError(f"generate: seed must be an int or one int per prompt, got {seed!r}")
     record = record_routing and model.config.num_experts > 0
@@ -317,13 +319,13 @@ _COMPILED = {}
 
 def compiled_step(device):
     """decode_step through torch.compile, made once per device type: one whole graph
-    (fullgraph), shapes dynamic on the CPU (a new batch size or cache length is no new compile),
-    CUDA graphs on a GPU (mode reduce-overhead: the step replays without a launch per kernel).
-    Without duck shapes: by default, sizes that are equal when first seen share one symbol, so a
-    batch of 64 rows would be fixed at 64 along with a head size of 64."""
+    (fullgraph), shapes dynamic (a new batch size or prompt length is no new compile). Not CUDA
+    graphs yet: they skip a graph whose inputs (the cache) are written in place, and compaction
+    would re-record them; measuring that on a GPU is still to do. Without duck shapes (see
+    `generate`): by default, sizes equal when first seen share one symbol, so a batch of 64 rows
+    would be fixed at 64 along with a head size of 64."""
     if device.type not in _COMPILED:
-        options = (dict(mode="reduce-overhead") if device.type == "cuda" else dict(dynamic=True))
-        _COMPILED[device.type] = torch.compile(decode_step, fullgraph=True, **options)
+        _COMPILED[device.type] = torch.compile(decode_step, fullgraph=True, dynamic=True)
     return _COMPILED[device.type]
 
 
@@ -460,11 +462,13 @@ def bench(args):
             for name, run in paths.items():
                 times[name].append(timed(run, device))
         rate = {name: tokens / statistics.median(t) for name, t in times.items()}
-        bound = args.prompts * args.samples / matmul_bound_seconds(ours, args.prompts * args.samples)
+        rows = args.prompts * args.samples
+        bound = rows / matmul_bound_seconds(ours, rows)  # tok/s
         print(f"{str(dtype).replace('torch.', '')}: matmul-only bound {bound:.0f} tok/s")
         for name in paths:
-            print(f"  {name:30s} {rate[name]:7.0f} tok/s  {rate[name] / rate['transformers eager']:5.2f}x"
-                  f"  {rate[name] / bound:4.0%} of the bound  first call {first[name]:6.1f} s")
+            ratio = rate[name] / rate["transformers eager"]
+            print(f"  {name:30s} {rate[name]:7.0f} tok/s  {ratio:5.2f}x  {rate[name] / bound:4.0%} "
+                  f"of the bound  first call {first[name]:6.1f} s")
 
 
 def main():
