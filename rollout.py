@@ -183,7 +183,8 @@ def step_uniforms(keys, step):
     return (bits >> 8).float() / 2**24
 
 
-def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p, top_k):
+def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p, top_k,
+                  check_every=None):
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError("generate: prompts must be a non-empty list of token-id lists")
     for i, p in enumerate(prompts):
@@ -199,6 +200,8 @@ def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_
                          f"got {num_samples!r}")
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if check_every is not None and (not isinstance(check_every, int) or check_every < 1):
+        raise ValueError(f"generate: check_every must be an int >= 1 or None, got {check_every!r}")
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
         raise ValueError(f"generate: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
                          f"{temperature}, {top_p}, {top_k}")
@@ -218,7 +221,8 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
 
     -> list[Completion], prompt-major. The same seed gives the same samples.
     """
-    counts = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p, top_k)
+    counts = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p, top_k,
+                           check_every)
     seeds = ([seed * 1_000_003 + i for i in range(len(prompts))] if isinstance(seed, int)
              else list(seed))
     if len(seeds) != len(prompts):
@@ -270,9 +274,8 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
         if step_fn is decode_step:  # eager: read only the filled slots, in buckets of 32
             cache.visible = min(cache.max_len, -(-(prompt_len + step + 1) // 32) * 32)
         draw = torch.full((1,), step + 1, dtype=torch.long, device=device)  # a fill, not a copy
-        with torch.fx.experimental._config.patch(use_duck_shape=False):  # see compiled_step
-            tokens, logp = step_fn(model, tokens, cache, keys, draw, temperature, top_p, top_k,
-                                   routing)  # (b,), (b,): the next token of each row
+        tokens, logp = step_fn(model, tokens, cache, keys, draw, temperature, top_p, top_k,
+                               routing)  # (b,), (b,): the next token of each row
         if record:  # the token fed at this step sits at position prompt_len + step
             routes[active, prompt_len + step] = routing.stacked(model.config)[:, 0].short()
     return completions(prompts, row_prompt, out_tokens, out_logp, lengths, stopped, routes,
@@ -321,12 +324,18 @@ def compiled_step(device):
     """decode_step through torch.compile, made once per device type: one whole graph
     (fullgraph), shapes dynamic (a new batch size or prompt length is no new compile). Not CUDA
     graphs yet: they skip a graph whose inputs (the cache) are written in place, and compaction
-    would re-record them; measuring that on a GPU is still to do. Without duck shapes (see
-    `generate`): by default, sizes equal when first seen share one symbol, so a batch of 64 rows
+    would re-record them; measuring that on a GPU is still to do. Without duck shapes: by default, sizes equal when first seen share one symbol, so a batch of 64 rows
     would be fixed at 64 along with a head size of 64."""
     if device.type not in _COMPILED:
         _COMPILED[device.type] = torch.compile(decode_step, fullgraph=True, dynamic=True)
-    return _COMPILED[device.type]
+    return without_duck_shapes(_COMPILED[device.type])
+
+
+def without_duck_shapes(compiled):
+    def step(*args):
+        with torch.fx.experimental._config.patch(use_duck_shape=False):  # read when compiling
+            return compiled(*args)
+    return step
 
 
 def completions(prompts, row_prompt, out_tokens, out_logp, lengths, stopped, routes, prompt_len):

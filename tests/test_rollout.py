@@ -407,6 +407,8 @@ def test_bad_input(tiny):
         generate(model, ok + ok, num_samples=[1, 0], max_new_tokens=4)
     with pytest.raises(ValueError, match="num_samples"):
         generate(model, ok + ok, num_samples=[1], max_new_tokens=4)
+    with pytest.raises(ValueError, match="check_every"):
+        generate(model, ok, num_samples=1, max_new_tokens=4, check_every=0)
     # Exactly at the context is fine.
     out = generate(model, [[5] * (ctx - 4)], num_samples=1, max_new_tokens=4, temperature=0.0)
     assert len(out[0].tokens) == 4
