@@ -184,7 +184,8 @@ def step_uniforms(keys, step):
 
 
 def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p, top_k,
-                  check_every=None):
+                  check_every, seed):
+    """-> samples per prompt, seed per prompt; or a ValueError naming the bad argument."""
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError("generate: prompts must be a non-empty list of token-id lists")
     for i, p in enumerate(prompts):
@@ -205,7 +206,11 @@ def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
         raise ValueError(f"generate: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
                          f"{temperature}, {top_p}, {top_k}")
-    return counts
+    seeds = ([seed * 1_000_003 + i for i in range(len(prompts))] if isinstance(seed, int)
+             else list(seed))
+    if len(seeds) != len(prompts):
+        raise ValueError(f"generate: seed must be an int or one int per prompt, got {seed!r}")
+    return counts, seeds
 
 
 @torch.no_grad()
@@ -221,12 +226,8 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
 
     -> list[Completion], prompt-major. The same seed gives the same samples.
     """
-    counts = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p, top_k,
-                           check_every)
-    seeds = ([seed * 1_000_003 + i for i in range(len(prompts))] if isinstance(seed, int)
-             else list(seed))
-    if len(seeds) != len(prompts):
-        raise ValueError(f"generate: seed must be an int or one int per prompt, got {seed!r}")
+    counts, seeds = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p,
+                                  top_k, check_every, seed)
     record = record_routing and model.config.num_experts > 0
     if compile is None:
         compile = compiled_by_default(model)
@@ -261,13 +262,10 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
         if step + 1 == max_new_tokens:
             break
         if (step + 1) % check_every == 0:
-            keep = ~stopped[active]  # (b,)
-            left = int(keep.sum())  # the host read
-            if left == 0:
+            done, rows = look_at_stops(stopped, active, compact_fraction)
+            if done:
                 break
-            if len(active) - left >= max(1, compact_fraction * len(active)):
-                # Finished rows cost a full forward per step; dropping them copies the cache once.
-                rows = keep.nonzero().squeeze(-1)
+            if rows is not None:  # finished rows cost a forward per step; dropping them, one copy
                 cache.select_rows(rows)
                 active, tokens, keys = active[rows], tokens[rows], keys[rows]
         routing = Routing() if record else None
@@ -280,6 +278,18 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
             routes[active, prompt_len + step] = routing.stacked(model.config)[:, 0].short()
     return completions(prompts, row_prompt, out_tokens, out_logp, lengths, stopped, routes,
                        prompt_len)
+
+
+def look_at_stops(stopped, active, compact_fraction):
+    """The host's one read of the batch: -> (every row stopped?, the rows to keep when at least
+    compact_fraction of the batch has stopped, else None)."""
+    keep = ~stopped[active]  # (b,)
+    left = int(keep.sum())  # the host read
+    if left == 0:
+        return True, None
+    if len(active) - left >= max(1, compact_fraction * len(active)):
+        return False, keep.nonzero().squeeze(-1)
+    return False, None
 
 
 def prefill(model, prompts, counts, max_new_tokens, record):
