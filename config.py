@@ -86,6 +86,9 @@ def model_flags(g):
     g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha")
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block in backward (saves GPU memory)")
+    g.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard weights, gradients and AdamW state over the ranks "
+                        "(FSDP2) instead of a full copy on each (DDP); see the README")
     g.add_argument("--ref", default="frozen", choices=["frozen", "lora-off"],
                    help="reference policy for KL/GKL/DPO: a frozen copy, or the LoRA base")
     g.add_argument("--router-aux-coef", type=float, default=0.0,

@@ -352,9 +352,11 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, k, v)  # (B, Hkv, S, D): everything cached so far
-        if self.softcap or (T == 1 and not q.is_cuda):
-            # Gemma 2's tanh fits no fused kernel; a CPU decode step (one query row) is two small
-            # matrix products, 5-10x faster than SDPA's flash kernel (`python rollout.py --bench`).
+        if self.softcap or T == 1:
+            # Gemma 2's tanh fits no fused kernel; a decode step (one query row) is two small
+            # matrix products: on the CPU 5-10x faster than SDPA's flash kernel (`python rollout.py
+            # --bench`), and on CUDA it reads the grouped heads in place, where SDPA with a mask
+            # and grouped heads falls back to its math path over copied heads.
             y = attend_grouped(q, k, v, mask, self.scale, self.softcap)
         else:
             y = attend(q, k, v, mask, expand_kv=q.is_cuda and mask is not None and T > 1,
@@ -377,7 +379,7 @@ def attend(q, k, v, mask, expand_kv=False, scale=None):
     if expand_kv and groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, Hq, S, D)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                          scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+                                          scale=scale, enable_gqa=bool(k.shape[1] != q.shape[1]))
 
 
 def attend_grouped(q, k, v, mask, scale=None, cap=None):
@@ -1319,11 +1321,12 @@ def bench_update(args):
     import statistics
     from transformers import AutoModelForCausalLM
     model_dir = converted_dir() if args.model == "bundled" else args.model
-    B, T = args.train_batch, args.train_length
+    B, T, device = args.train_batch, args.train_length, torch.device(args.device)
     torch.manual_seed(0)
-    ids = torch.randint(0, 49152, (B, T))
-    print(f"forward + backward + AdamW on {B} x {T} tokens (median of {args.repeats}, "
-          f"{torch.get_num_threads()} threads):")
+    ids = torch.randint(0, 49152, (B, T), device=device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"{cpu_name()}, {torch.get_num_threads()} threads"
+    print(f"forward + backward + AdamW on {B} x {T} tokens (median of {args.repeats}, {where}):")
 
     def step_ours(model, opt, autocast):
         with autocast:
@@ -1341,18 +1344,18 @@ def bench_update(args):
         opt.zero_grad(set_to_none=True)
 
     precisions = [("float32", contextlib.nullcontext)]
-    if cpu_has_bf16():
-        precisions.append(("bf16 autocast", lambda: torch.autocast("cpu", dtype=torch.bfloat16)))
+    if cpu_has_bf16() or device.type == "cuda":
+        precisions.append(("bf16 autocast", lambda: torch.autocast(device.type, dtype=torch.bfloat16)))
     else:
         print("  (bf16 autocast skipped: this CPU has no native bf16 matrix instructions)")
     results = {}
     for name, autocast in precisions:
         ours, _ = load_model(None if args.model == "bundled" else args.model, dtype=torch.float32,
-                             device="cpu")  # this bench measures the CPU (memory is VmHWM)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+                             device=device)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
         ours.train(), hf.train()
         compiled, _ = load_model(None if args.model == "bundled" else args.model,
-                                 dtype=torch.float32, device="cpu")
+                                 dtype=torch.float32, device=device)
         compile_blocks(compiled.train())
         runs = {"ours": (ours, step_ours), "ours, blocks compiled": (compiled, step_ours),
                 "transformers": (hf, step_hf)}
@@ -1361,8 +1364,12 @@ def bench_update(args):
         times = {k: [] for k in runs}
         for r in range(args.repeats + 1):  # alternate; the first round warms up (and compiles)
             for k, (m, fn) in runs.items():
+                if device.type == "cuda":  # kernels run asynchronously: wait before the clock
+                    torch.cuda.synchronize(device)
                 t = time.perf_counter()
                 fn(m, opts[k], autocast())
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 times[k].append(time.perf_counter() - t)
         for k in runs:
             results[(name, k)] = B * T / statistics.median(times[k][1:])
@@ -1447,11 +1454,18 @@ if __name__ == "__main__":
     parser.add_argument("--moe-length", type=int, default=256, help="MoE speed: tokens per row")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads (default: torch's; 1 on a machine shared with others)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: the update speed alone (the memory and MoE parts are CPU's)")
     cli = parser.parse_args()
+    if cli.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this torch build or machine has no CUDA device")
     if not cli.bench:
         parser.error("nothing to do: pass --bench")
     if cli.threads:
         torch.set_num_threads(cli.threads)
-    if not cli.moe_only:
-        bench(cli)
-    bench_moe(cli)
+    if cli.device == "cuda":
+        bench_update(cli)
+    else:
+        if not cli.moe_only:
+            bench(cli)
+        bench_moe(cli)

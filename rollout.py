@@ -475,7 +475,10 @@ def bench(args):
                                                   dtype=dtype).to(device).eval()
         hf.generation_config.pad_token_id = tokenizer.pad_token_id or 0
         paths = bench_paths(ours, hf, prompts, args)
-        first = {name: timed(run, device) for name, run in paths.items()}  # compiles here
+        first = {}
+        for name, run in paths.items():  # compiles here; printed at once, as it can take minutes
+            first[name] = timed(run, device)
+            print(f"  {name}: first call {first[name]:.1f} s", flush=True)
         times = {name: [] for name in paths}
         for _ in range(args.repeats):  # alternate, so drift hits every path alike
             for name, run in paths.items():

@@ -186,6 +186,18 @@ def load_checkpoint(run_dir):
     return None
 
 
+def checkpoint_values(run_dir, key):
+    """{state[key] of each checkpoint in run_dir that has it} (the newest and the previous)."""
+    values = set()
+    for name in (CHECKPOINT, PREVIOUS_CHECKPOINT):
+        path = os.path.join(run_dir, name)
+        if os.path.exists(path):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            if key in state:
+                values.add(state[key])
+    return values
+
+
 def rng_state():
     """This process's random states (CUDA: this rank's own device only, since a resume may see
     a different number of GPUs)."""

@@ -63,6 +63,7 @@ import episodes
 import losses
 import rewards
 import runs
+import sharding
 from model import (Routing, add_lora, cpu_has_bf16, load_balancing_loss, load_model, lora_disabled,
                    save_model, token_logprobs)
 from rollout import line_break_ids, stop_token_ids
@@ -355,12 +356,15 @@ def with_old_logprobs(run, batch):
     args = run.args
     old = [list(lp) if stale else None for lp, stale in zip(batch.sampler_logprobs, batch.stale)]
     if args.mini_batches > 1 and args.algo == "pg":  # (DPO has no ratio)
-        fresh = [i for i, stale in enumerate(batch.stale) if not stale]
-        for at in range(0, len(fresh), args.micro_batch_size):
-            rows = fresh[at:at + args.micro_batch_size]
-            ids, attn, _, start = pack([batch.prompts[i] for i in rows],
-                                       [batch.tokens[i] for i in rows], args.device)
-            routing = moe_routing(run, replay_experts(run, batch, rows, ids.shape[1] - start))
+        fresh, size = [i for i, stale in enumerate(batch.stale) if not stale], args.micro_batch_size
+        # As many forwards on every rank (stand-ins where a rank has fewer rows): under FSDP each
+        # forward gathers weights with the other ranks.
+        for k in range(micro_batch_count(len(fresh), size)):
+            rows = fresh[k * size:(k + 1) * size]
+            ids, attn, _, start = pack([batch.prompts[i] for i in rows] or [[0]],
+                                       [batch.tokens[i] for i in rows] or [[0]], args.device)
+            routing = moe_routing(run, replay_experts(run, batch, rows, ids.shape[1] - start)
+                                  if rows else None)
             with autocast(run):
                 hidden = run.policy(ids, attn, return_hidden=True, routing=routing)
                 logp = token_logprobs(run.policy, ids, attn, start=start, hidden=hidden,
@@ -381,9 +385,13 @@ def update(run, batch):
     # groups of the ranks before it.
     first_group = sum(gather(batch.num_groups, run.world)[:run.rank]) \
         if args.loss_agg == "group-token-mean" else None
+    # Mini-batch m is the m-th mu-th of all ranks' units in rank order, as in one process (each
+    # rank splitting its own units would group other samples whenever ranks keep unequal numbers).
+    counts = gather(len(units), run.world)
+    offset, total = sum(counts[:run.rank]), sum(counts)
     sums, maxima = {}, {}
     for m in range(mu):  # mu parts whose sizes differ by one at most
-        part = units[m * len(units) // mu:(m + 1) * len(units) // mu]
+        part = units[max(0, m * total // mu - offset):max(0, (m + 1) * total // mu - offset)]
         step_sums, step_maxima = dpo_update(run, batch, part) if args.algo == "dpo" \
             else policy_gradient_update(run, batch, part, first_group)
         sums, maxima = add(sums, step_sums), top(maxima, step_maxima)
@@ -593,14 +601,15 @@ def optimizer_update(run, micro, loss_of):
     sums, maxima, total = {}, {}, torch.zeros((), dtype=torch.float64)
     for k, mb in enumerate(micro):
         last = k == len(micro) - 1
-        with (contextlib.nullcontext() if last or run.world == 1 else run.model.no_sync()), autocast(run):
+        no_sync = run.model.no_sync() if not last and run.model is not run.policy else contextlib.nullcontext()
+        with no_sync, autocast(run):
             loss, mb_sums, mb_maxima = loss_of(run, mb)
             # DDP averages gradients over ranks; the divisors are already global, so scale back
             # up to make that average a sum (the update then equals one device's).
             (loss * run.world).backward()
         total += float(loss.detach())
         sums, maxima = add(sums, mb_sums), top(maxima, mb_maxima)
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.parameters(), run.args.grad_clip)
+    grad_norm = sharding.full(torch.nn.utils.clip_grad_norm_(run.policy.parameters(), run.args.grad_clip))
     finite = math.isfinite(float(all_reduce(total))) and math.isfinite(float(grad_norm))
     if finite:
         run.optimizer.step()
@@ -808,8 +817,10 @@ def main(argv=None):
     bar.close()
     if over_time and rank0:
         print(f"time limit of {args.time_limit:g} minutes reached after {progress.step} steps", flush=True)
-    if writes:
-        finish(run, progress)
+    if not args.bench:  # under FSDP every rank takes part in gathering the weights
+        final = sharding.gathered_model(run.policy, run.sampler) if args.fsdp else run.policy
+        if writes:
+            finish(run, progress, final)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -821,14 +832,15 @@ def main(argv=None):
         os._exit(0)
 
 
-def finish(run, progress):
-    """The held-out accuracy at the end (unless just measured), final/, and a summary line."""
+def finish(run, progress, final):
+    """The held-out accuracy at the end (unless just measured), final/ (the `final` model's
+    weights), and a summary line."""
     args, evals = run.args, []
     if run.heldout:
         evals = runs.read_lines(os.path.join(args.out, "eval.jsonl"))
         if not evals or evals[-1]["step"] != progress.step:
             evals.append({"step": progress.step, **evaluate_and_log(run, progress)})
-    save_model(run.policy, run.tokenizer, os.path.join(args.out, "final"))
+    save_model(final, run.tokenizer, os.path.join(args.out, "final"))
     summary = {"out": args.out, "steps": progress.step, "updates": progress.updates,
                "train_minutes": round(progress.train_seconds / 60, 2),
                "skipped_updates": progress.skipped_updates}
@@ -867,6 +879,9 @@ def setup(args):
     if (args.routing_replay or args.router_aux_coef) and args.algo == "dpo":
         sys.exit("train.py: --routing-replay and --router-aux-coef act on the policy-gradient "
                  "update (--algo pg), not on DPO")
+    if args.fsdp and not dist.is_initialized():
+        sys.exit("train.py: --fsdp shards the model over torchrun's ranks: launch with torchrun "
+                 "(`torchrun --nproc_per_node N train.py --fsdp ...`, N = 1 works too)")
     policy.train()
     policy.gradient_checkpointing = args.activation_checkpointing
     if args.lora_rank:
@@ -881,14 +896,22 @@ def setup(args):
         run_lock = claim_run_directory(args)
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and (device.type == "cuda" or cpu_has_bf16()))
     needs_reference = (args.kl != "none" or args.algo == "dpo") and args.ref == "frozen"
+    # Rollouts on a bf16 copy where bf16 is fast (and on a whole copy under FSDP), refreshed
+    # after every step.
+    sampler = copy.deepcopy(policy).to(torch.bfloat16 if bf16 else torch.float32).eval() \
+        if (bf16 and not args.lora_rank) or args.fsdp else policy
+    reference = copy.deepcopy(policy).eval().requires_grad_(False) if needs_reference else None
+    if args.fsdp:
+        sharding.shard(policy, bf16_on_cuda=bf16 and device.type == "cuda")
+        if reference is not None:
+            sharding.shard(reference, bf16_on_cuda=bf16 and device.type == "cuda")
     trainable = [p for p in policy.parameters() if p.requires_grad]
     return Run(
         args=args, rank=rank, world=world, policy=policy, tokenizer=tokenizer,
         model=torch.nn.parallel.DistributedDataParallel(
-            policy, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else policy,
-        # Rollouts on a bf16 copy where bf16 is fast, refreshed after every step.
-        sampler=copy.deepcopy(policy).to(torch.bfloat16).eval() if bf16 and not args.lora_rank else policy,
-        reference=copy.deepcopy(policy).eval().requires_grad_(False) if needs_reference else None,
+            policy, device_ids=[device.index] if device.type == "cuda" else None)
+        if dist.is_initialized() and not args.fsdp else policy,
+        sampler=sampler, reference=reference,
         # Every reply of the memory task is one line (episodes.py): its sampler stops at a break.
         stop_ids=stop_token_ids(tokenizer) + (line_break_ids(tokenizer)
                                               if isinstance(source, episodes.MemoryTask) else []),
@@ -979,11 +1002,9 @@ def reference_forward(run, fn):
         return fn(run.policy)
 
 
-@torch.no_grad()
 def refresh_sampler(run):
     if run.sampler is not run.policy:
-        for p_sampler, p in zip(run.sampler.parameters(), run.policy.parameters()):
-            p_sampler.copy_(p)
+        sharding.copy_trainable(run.sampler, run.policy)
 
 
 @torch.no_grad()
@@ -1037,11 +1058,15 @@ def save_checkpoint(run, progress):
                        "data": run.stream.state_dict(),
                        "carry": dataclasses.asdict(progress.carry) if progress.carry else None},
                       run.world)
+    weights = {"model": run.policy.state_dict(), "optimizer": run.optimizer.state_dict()} \
+        if not run.args.fsdp else {"shards": sharding.save_shards(run.args.out, progress.step,
+                                                                  run.policy, run.optimizer)}
     if run.rank == 0:
         runs.save_checkpoint(run.args.out, {
-            "model": run.policy.state_dict(), "optimizer": run.optimizer.state_dict(),
-            "per_rank": per_rank, "progress": {f.name: getattr(progress, f.name)
-                                               for f in dataclasses.fields(progress) if f.name != "carry"}})
+            **weights, "per_rank": per_rank, "progress": {
+                f.name: getattr(progress, f.name) for f in dataclasses.fields(progress) if f.name != "carry"}})
+        if run.args.fsdp:
+            sharding.drop_shards(run.args.out, keep=runs.checkpoint_values(run.args.out, "shards"))
 
 
 def load_checkpoint(run):
@@ -1054,8 +1079,14 @@ def load_checkpoint(run):
         return Progress()
     if "progress" not in state:
         sys.exit(f"train.py: --resume: {run.args.out} was written by an older train.py; start anew")
-    run.policy.load_state_dict(state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
+    if ("shards" in state) != run.args.fsdp:
+        sys.exit(f"train.py: --resume: {run.args.out} was written "
+                 f"{'with' if 'shards' in state else 'without'} --fsdp; resume it the same way")
+    if run.args.fsdp:
+        sharding.load_shards(run.args.out, state["shards"], run.policy, run.optimizer)
+    else:
+        run.policy.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
     # A run resumed on more ranks than it had: new ranks take rank 0's data position and RNGs,
     # no carried groups, and their own fresh variant RNG (on fewer ranks, the missing ranks'
     # carried groups are dropped: they were surplus).
@@ -1087,10 +1118,12 @@ def open_run_directory(run, progress):
 
 def setup_distributed():
     """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; plain `python train.py` is one process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    if "RANK" not in os.environ:  # not under torchrun
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # Under torchrun a process group even for one rank, so that `--nproc_per_node 1` runs the
+    # same collectives and DDP wrapper as many ranks (the GPU check relies on it).
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ["WORLD_SIZE"])
     # Rank 0 alone evaluates and writes checkpoints while the others wait in a collective: allow
     # more than NCCL's default 10 minutes for that.
     timeout = datetime.timedelta(hours=2)
