@@ -24,6 +24,9 @@ def shard(model, bf16_on_cuda=False):
     On CUDA with bf16: bf16 weights in forward and backward, gradients reduced in float32."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if bf16_on_cuda else MixedPrecisionPolicy()
+    with torch.no_grad():  # rank 0's weights everywhere (ranks seed their RNGs apart: LoRA's
+        for tensor in [*model.parameters(), *model.buffers()]:  # init differs), as DDP does
+            torch.distributed.broadcast(tensor, src=0)
     for block in model.layers:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)

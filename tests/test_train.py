@@ -21,23 +21,25 @@ DIGITS = [str(d) for d in range(10)]
 WORDS = ["What", "is", "+", "?", "Question:", "Answer:", "the", "sum"]
 
 
-def digit_checkpoint(directory, seed=0, context=64):
-    """A random 2-layer Llama whose word-level vocabulary has the digits, so that a sampled
-    answer is sometimes right and groups carry signal."""
+def digit_checkpoint(directory, seed=0, context=64, moe=False):
+    """A random 2-layer Llama (moe: Qwen3-MoE, 4 experts, top-2) whose word-level vocabulary
+    has the digits, so that a sampled answer is sometimes right and groups carry signal."""
     import tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
     special = ["<unk>", "<pad>", "<s>", "</s>"]
     vocab = {w: i for i, w in enumerate(special + DIGITS + WORDS)}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
                                         bos_token="<s>", eos_token="</s>")
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=context, bos_token_id=2, eos_token_id=3, pad_token_id=1,
-                      tie_word_embeddings=True)
+    shape = dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
+                 bos_token_id=2, eos_token_id=3, pad_token_id=1, tie_word_embeddings=True)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=32, norm_topk_prob=True)) \
+        if moe else LlamaForCausalLM(LlamaConfig(**shape))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
