@@ -194,9 +194,11 @@ def train_step(run, progress):
     scored_at = time.perf_counter()
     run.policy.train()
     update_sums, update_maxima = update(run, batch)                      # 5
-    refresh_sampler(run)
+    updated_at = time.perf_counter()
+    refresh_sampler(run)  # under FSDP: the weights gathered for the next rollouts
     end = time.perf_counter()
-    seconds = {"rollout": sampled_at - start, "scoring": scored_at - sampled_at, "update": end - scored_at}
+    seconds = {"rollout": sampled_at - start, "scoring": scored_at - sampled_at,
+               "update": updated_at - scored_at, "refresh": end - updated_at}
     row = step_metrics(run, progress, sampled, kept, surplus, asked,     # 6
                        update_sums, {**update_maxima, "peak_memory_mib": peak_memory_mib(args)},
                        seconds)
@@ -712,7 +714,7 @@ def step_metrics(run, progress, sampled, kept, surplus, asked, update_sums, upda
     if args.algo == "dpo":
         row.update(pairs=int(total.get("pairs", 0)), **{name: total[name] / max(1.0, total["pairs"])
                                                        for name in total if name.startswith("dpo_")})
-    for stage in ("rollout", "scoring", "update"):
+    for stage in ("rollout", "scoring", "update", "refresh"):
         row[f"seconds_{stage}"] = seconds[stage]
     row["tokens_per_second_rollout"] = total["length"] / ranks / max(seconds["rollout"], 1e-9)
     # DPO reads its pairs only, not every kept sample, and scores no old log-probs.
@@ -798,7 +800,8 @@ def main(argv=None):
         over_time = flags["over_time"] > 0
         if args.bench:
             print(f"step {progress.step}: rollout {row['seconds_rollout']:.1f} s, scoring "
-                  f"{row['seconds_scoring']:.1f} s, update {row['seconds_update']:.1f} s", flush=True)
+                  f"{row['seconds_scoring']:.1f} s, update {row['seconds_update']:.1f} s, sampler "
+                  f"refresh {row['seconds_refresh']:.2f} s", flush=True)
             continue
         if rank0:
             runs.append_line(os.path.join(args.out, "metrics.jsonl"), row)

@@ -91,6 +91,18 @@ def test_fsdp_resume_after_sigkill_equals_never_stopping(digits, tmp_path):
     assert_same_run(tmp_path / "straight", tmp_path / "killed")
     assert sorted(e for e in os.listdir(tmp_path / "killed") if e.startswith("shards-")) \
         == ["shards-4", "shards-5"]  # the newest checkpoint's and the one before's
+    run_train(["--resume", str(tmp_path / "killed"), "--steps", "6"], launcher=torchrun(1))
+    assert len(metrics(tmp_path / "killed")) == 6  # the shards read back on another rank count
+
+
+def test_one_rank_under_torchrun_runs_ddp_and_fsdp(digits, tmp_path):
+    """`torchrun --nproc_per_node 1` starts a process group (the GPU check's NCCL run relies on
+    it) and equals one plain process, with the DDP wrapper and with --fsdp."""
+    common = common_flags(*digits, "--steps", "1")
+    run_train(common + ["--out", str(tmp_path / "one")])
+    for name, extra in (("ddp", []), ("fsdp", ["--fsdp"])):
+        run_train(common + extra + ["--out", str(tmp_path / name)], launcher=torchrun(1))
+        assert_equal_runs(tmp_path / "one", tmp_path / name)
 
 
 def test_moe_with_routing_replay_under_ddp_and_fsdp_equals_one_process(moe_digits, tmp_path):
