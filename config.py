@@ -86,6 +86,9 @@ def model_flags(g):
     g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha")
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block in backward (saves GPU memory)")
+    g.add_argument("--quantize", default="none", choices=["none", "nf4"],
+                   help="nf4: the frozen base of --lora-rank's adapters in 4-bit NormalFloat "
+                        "(QLoRA); see the README")
     g.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard weights, gradients and AdamW state over the ranks "
                         "(FSDP2) instead of a full copy on each (DDP); see the README")
@@ -292,6 +295,12 @@ def check_config(args, parser):
                      "several turns: use a policy-gradient preset (dapo-memory)")
     if args.ref == "lora-off" and args.lora_rank == 0 and (args.kl != "none" or args.algo == "dpo"):
         parser.error("--ref lora-off needs --lora-rank > 0")
+    if args.quantize != "none" and args.lora_rank == 0:
+        parser.error(f"--quantize {args.quantize} freezes the base in 4 bits: it needs "
+                     "--lora-rank > 0 (the adapters are what trains)")
+    if args.quantize != "none" and args.fsdp:
+        parser.error(f"--quantize {args.quantize} with --fsdp: FSDP shards parameters and a "
+                     "quantised base is buffers; use one or the other")
 
 
 def range_rules(args):

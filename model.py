@@ -954,6 +954,9 @@ def merge_lora(model: Transformer) -> Transformer:
         for parent in lora_parents(block):
             for name, child in list(parent.named_children()):
                 if isinstance(child, LoRALinear):
+                    if not isinstance(child.base, nn.Linear):  # (quantize.NF4Linear)
+                        raise ValueError("merge_lora: a quantised base has no weight to merge "
+                                         "into; save_model merges into its dequantised weight")
                     with torch.no_grad():
                         child.base.weight.copy_(child.merged_weight())
                     setattr(parent, name, child.base)

@@ -61,6 +61,7 @@ import dapo
 import data
 import episodes
 import losses
+import quantize
 import rewards
 import runs
 import sharding
@@ -889,6 +890,8 @@ def setup(args):
     policy.gradient_checkpointing = args.activation_checkpointing
     if args.lora_rank:
         add_lora(policy, rank=args.lora_rank, alpha=args.lora_alpha)
+    if args.quantize == "nf4":
+        quantize.quantize_lora_bases(policy)
     if args.template is None:
         args.template = "none" if str(args.data).startswith(("arithmetic", "memory")) else "dapo"
     try:  # every row is checked before any training
@@ -970,7 +973,8 @@ def describe(run):
         if args.algo == "pg" else f"DPO ({args.dpo_pairs} pairs), beta {args.dpo_beta}"
     return "\n".join([
         f"model     {args.model or 'bundled SmolLM2-135M-Instruct'}: {params:.0f}M parameters, "
-        f"{precision}" + (f", LoRA rank {args.lora_rank}" if args.lora_rank else ""),
+        f"{precision}" + (f", LoRA rank {args.lora_rank}" if args.lora_rank else "")
+        + (f", base in {args.quantize.upper()}" if args.quantize != "none" else ""),
         f"data      {args.data} (template {args.template}), held-out: "
         f"{len(run.heldout) if run.heldout else 'none'}",
         f"method    preset {args.preset}{cpu}: {method}, dynamic sampling "
