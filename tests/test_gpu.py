@@ -120,14 +120,17 @@ def digits(tmp_path_factory):
     return digit_checkpoint(d / "model"), digit_data(d / "train.jsonl")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_nccl_train_and_resume(digits, tmp_path, dtype):
-    """torchrun --nproc_per_node 1 on the GPU: NCCL, the DDP wrapper, 4 steps straight against
-    SIGKILL after 2 and --resume. CUDA kernels with atomics (embedding backward) are not bitwise
-    reproducible, so the two runs agree within float tolerance rather than bit for bit."""
+@pytest.mark.parametrize("dtype, sharding", [("float32", []), ("bfloat16", []),
+                                             ("bfloat16", ["--fsdp", "--compile", "off"])],
+                         ids=["float32-ddp", "bfloat16-ddp", "bfloat16-fsdp"])
+def test_cuda_nccl_train_and_resume(digits, tmp_path, dtype, sharding):
+    """torchrun --nproc_per_node 1 on the GPU: NCCL, the DDP wrapper (or FSDP2 with bf16
+    weights gathered and fp32 gradients reduced), 4 steps straight against SIGKILL after 2 and
+    --resume. CUDA kernels with atomics (embedding backward) are not bitwise reproducible, so the
+    two runs agree within float tolerance rather than bit for bit."""
     model_dir, data_file = digits
     common = ["--model", model_dir, "--data", data_file, "--steps", "4", "--dynamic-sampling",
-              "--max-refills", "1", "--checkpoint-every", "1"] + flags(dtype=dtype)
+              "--max-refills", "1", "--checkpoint-every", "1"] + flags(dtype=dtype) + sharding
     straight = tmp_path / "straight"
     run_train(common + ["--out", str(straight)], launcher=torchrun(1))
     kill_then_resume(common, tmp_path / "killed", launcher=torchrun(1))
