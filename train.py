@@ -598,7 +598,8 @@ def dpo_loss(run, mb):
 
 
 def optimizer_update(run, micro, loss_of):
-    """Backward on every micro-batch (DDP all-reduces on the last), clip, step. A non-finite loss
+    """Backward on every micro-batch (DDP all-reduces on the last, FSDP reduce-scatters on
+    each), clip, step. A non-finite loss
     or gradient on any rank leaves weights and optimizer state as they were, and is counted."""
     run.optimizer.zero_grad(set_to_none=True)
     sums, maxima, total = {}, {}, torch.zeros((), dtype=torch.float64)
@@ -607,8 +608,8 @@ def optimizer_update(run, micro, loss_of):
         no_sync = run.model.no_sync() if not last and run.model is not run.policy else contextlib.nullcontext()
         with no_sync, autocast(run):
             loss, mb_sums, mb_maxima = loss_of(run, mb)
-            # DDP averages gradients over ranks; the divisors are already global, so scale back
-            # up to make that average a sum (the update then equals one device's).
+            # DDP and FSDP average gradients over ranks; the divisors are already global, so
+            # scale back up to make that average a sum (the update then equals one device's).
             (loss * run.world).backward()
         total += float(loss.detach())
         sums, maxima = add(sums, mb_sums), top(maxima, mb_maxima)
