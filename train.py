@@ -912,6 +912,7 @@ def setup(args):
         sharding.shard(policy, bf16_on_cuda=bf16 and device.type == "cuda")
         if reference is not None:
             sharding.shard(reference, bf16_on_cuda=bf16 and device.type == "cuda")
+        sharding.copy_trainable(sampler, policy)  # rank 0's weights (shard broadcast them)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     return Run(
         args=args, rank=rank, world=world, policy=policy, tokenizer=tokenizer,
