@@ -1364,16 +1364,7 @@ def bench_update(args):
                 "transformers": (hf, step_hf)}
         # fused AdamW for both: what train.py uses, and transformers' Trainer default
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-6, fused=True) for k, (m, _) in runs.items()}
-        times = {k: [] for k in runs}
-        for r in range(args.repeats + 1):  # alternate; the first round warms up (and compiles)
-            for k, (m, fn) in runs.items():
-                if device.type == "cuda":  # kernels run asynchronously: wait before the clock
-                    torch.cuda.synchronize(device)
-                t = time.perf_counter()
-                fn(m, opts[k], autocast())
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times[k].append(time.perf_counter() - t)
+        times = _alternated_times(runs, opts, autocast, args.repeats, device)
         for k in runs:
             results[(name, k)] = B * T / statistics.median(times[k][1:])
         for k in runs:
@@ -1384,6 +1375,22 @@ def bench_update(args):
     if len(precisions) > 1:
         print(f"  bf16 autocast / float32 (ours): "
               f"{results[('bf16 autocast', 'ours')] / results[('float32', 'ours')]:.2f}x")
+
+
+def _alternated_times(runs, opts, autocast, repeats, device):
+    """{name: [seconds of each step]} of every run, alternated so drift hits each alike; the
+    first round warms up (and compiles)."""
+    times = {k: [] for k in runs}
+    for _ in range(repeats + 1):
+        for k, (m, fn) in runs.items():
+            if device.type == "cuda":  # kernels run asynchronously: wait before the clock
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            fn(m, opts[k], autocast())
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[k].append(time.perf_counter() - t)
+    return times
 
 
 def cpu_name() -> str:

@@ -877,22 +877,16 @@ def setup(args):
         policy, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
     except (OSError, ValueError) as e:
         sys.exit(f"train.py: --model: {e}")
-    if (args.routing_replay or args.router_aux_coef) and not policy.config.num_experts:
-        sys.exit(f"train.py: --routing-replay and --router-aux-coef act on a Mixture-of-Experts "
-                 f"model; {args.model or 'the bundled model'} ({policy.config.model_type}) "
-                 "has no experts")
-    if (args.routing_replay or args.router_aux_coef) and args.algo == "dpo":
-        sys.exit("train.py: --routing-replay and --router-aux-coef act on the policy-gradient "
-                 "update (--algo pg), not on DPO")
-    if args.fsdp and not dist.is_initialized():
-        sys.exit("train.py: --fsdp shards the model over torchrun's ranks: launch with torchrun "
-                 "(`torchrun --nproc_per_node N train.py --fsdp ...`, N = 1 works too)")
+    refuse_mismatches(args, policy)
     policy.train()
     policy.gradient_checkpointing = args.activation_checkpointing
     if args.lora_rank:
         add_lora(policy, rank=args.lora_rank, alpha=args.lora_alpha)
     if args.quantize == "nf4":
-        quantize.quantize_lora_bases(policy)
+        try:
+            quantize.quantize_lora_bases(policy)
+        except ValueError as e:
+            sys.exit(f"train.py: {e}")
     if args.template is None:
         args.template = "none" if str(args.data).startswith(("arithmetic", "memory")) else "dapo"
     try:  # every row is checked before any training
@@ -902,23 +896,10 @@ def setup(args):
     if writes and not args.resume:  # a new run: once its model and data passed their checks
         run_lock = claim_run_directory(args)
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and (device.type == "cuda" or cpu_has_bf16()))
-    needs_reference = (args.kl != "none" or args.algo == "dpo") and args.ref == "frozen"
-    # Rollouts on a bf16 copy where bf16 is fast (and on a whole copy under FSDP), refreshed
-    # after every step.
-    sampler = copy.deepcopy(policy).to(torch.bfloat16 if bf16 else torch.float32).eval() \
-        if (bf16 and not args.lora_rank) or args.fsdp else policy
-    reference = copy.deepcopy(policy).eval().requires_grad_(False) if needs_reference else None
-    if args.fsdp:
-        sharding.shard(policy, bf16_on_cuda=bf16 and device.type == "cuda")
-        if reference is not None:
-            sharding.shard(reference, bf16_on_cuda=bf16 and device.type == "cuda")
-        sharding.copy_trainable(sampler, policy)  # rank 0's weights (shard broadcast them)
+    model, sampler, reference = policy_copies(args, policy, bf16)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     return Run(
-        args=args, rank=rank, world=world, policy=policy, tokenizer=tokenizer,
-        model=torch.nn.parallel.DistributedDataParallel(
-            policy, device_ids=[device.index] if device.type == "cuda" else None)
-        if dist.is_initialized() and not args.fsdp else policy,
+        args=args, rank=rank, world=world, policy=policy, tokenizer=tokenizer, model=model,
         sampler=sampler, reference=reference,
         # Every reply of the memory task is one line (episodes.py): its sampler stops at a break.
         stop_ids=stop_token_ids(tokenizer) + (line_break_ids(tokenizer)
@@ -930,6 +911,42 @@ def setup(args):
         source=source, heldout=heldout, bf16=bf16, run_lock=run_lock,
         stream=data.PromptStream(source, args.prompts_per_step, seed=args.seed, rank=rank, world_size=world),
         variant_rng=random.Random(f"{args.seed}:adversarial:{rank}"))
+
+
+def refuse_mismatches(args, policy):
+    """Flags that cannot act on this model or launch, refused by name before any work."""
+    if (args.routing_replay or args.router_aux_coef) and not policy.config.num_experts:
+        sys.exit(f"train.py: --routing-replay and --router-aux-coef act on a Mixture-of-Experts "
+                 f"model; {args.model or 'the bundled model'} ({policy.config.model_type}) "
+                 "has no experts")
+    if (args.routing_replay or args.router_aux_coef) and args.algo == "dpo":
+        sys.exit("train.py: --routing-replay and --router-aux-coef act on the policy-gradient "
+                 "update (--algo pg), not on DPO")
+    if args.fsdp and not dist.is_initialized():
+        sys.exit("train.py: --fsdp shards the model over torchrun's ranks: launch with torchrun "
+                 "(`torchrun --nproc_per_node N train.py --fsdp ...`, N = 1 works too)")
+
+
+def policy_copies(args, policy, bf16):
+    """What trains and samples beside the policy -> (the module the update runs through: the
+    DDP wrapper or, under --fsdp, the sharded policy itself; the sampler; the reference or None).
+    Rollouts run on a bf16 copy where bf16 is fast (and on a whole copy under FSDP), refreshed
+    after every step."""
+    device = args.device
+    sampler = copy.deepcopy(policy).to(torch.bfloat16 if bf16 else torch.float32).eval() \
+        if (bf16 and not args.lora_rank) or args.fsdp else policy
+    needs_reference = (args.kl != "none" or args.algo == "dpo") and args.ref == "frozen"
+    reference = copy.deepcopy(policy).eval().requires_grad_(False) if needs_reference else None
+    if args.fsdp:
+        sharding.shard(policy, bf16_on_cuda=bf16 and device.type == "cuda")
+        if reference is not None:
+            sharding.shard(reference, bf16_on_cuda=bf16 and device.type == "cuda")
+        sharding.copy_trainable(sampler, policy)  # rank 0's weights (shard broadcast them)
+        return policy, sampler, reference
+    model = torch.nn.parallel.DistributedDataParallel(
+        policy, device_ids=[device.index] if device.type == "cuda" else None) \
+        if dist.is_initialized() else policy
+    return model, sampler, reference
 
 
 def claim_run_directory(args):

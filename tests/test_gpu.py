@@ -9,15 +9,12 @@ import torch
 from conftest import FAMILIES, hf_model, random_ids, tiny_checkpoint
 from model import load_model
 from rollout import generate
+from test_model import max_diff
 from test_train import (assert_close_runs, digit_checkpoint, digit_data, flags, kill_then_resume,
                         run_train, torchrun)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = "cuda"
-
-
-def max_diff(a, b):
-    return (a.float() - b.float()).abs().max().item()
 
 
 @pytest.fixture(scope="module")

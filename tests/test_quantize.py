@@ -131,3 +131,8 @@ def test_bad_combinations_are_refused(extra, message, capsys):
     with pytest.raises(SystemExit):
         config.parse_config(["--model", "x"] + extra)
     assert message in capsys.readouterr().err
+
+
+def test_a_weight_that_does_not_split_into_blocks_is_named():
+    with pytest.raises(ValueError, match=r"--quantize nf4: a \(5, 3\) weight does not split into blocks of 64"):
+        NF4Linear(torch.nn.Linear(3, 5))

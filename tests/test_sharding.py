@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from test_train import (ROOT, assert_same_run, digit_checkpoint, digit_data, flags, kill_then_resume,
-                        metrics, run_train, torchrun, weights)
+from test_train import (ROOT, assert_close_runs, assert_same_run, digit_checkpoint, digit_data,
+                        flags, kill_then_resume, metrics, run_train, torchrun)
 
 pytestmark = pytest.mark.slow
 
@@ -42,13 +42,7 @@ def common_flags(model_dir, data_file, *extra):
 
 def assert_equal_runs(a, b, atol=1e-6):
     """The same weights (float tolerance: other reduction orders) and update metrics."""
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.allclose(wa[k], wb[k], atol=atol, rtol=0), (k, (wa[k] - wb[k]).abs().max())
-    for row_a, row_b in zip(metrics(a), metrics(b), strict=True):
-        for key in UPDATE_METRICS:
-            assert row_a[key] == pytest.approx(row_b[key], rel=1e-4, abs=1e-6), key
+    assert_close_runs(a, b, atol, keys=UPDATE_METRICS, rel=1e-4, metric_atol=1e-6)
 
 
 @pytest.mark.parametrize("variant", [[], ["--lora-rank", "4", "--lr", "1e-2"],
