@@ -23,7 +23,7 @@ How one evaluation runs (`evaluate`):
 2. Prompts are sorted by length (less padding) and sampled in batches of --batch-size prompts x k
    samples with rollout.generate, stopping at the tokenizer's end tokens
    (`rollout.stop_token_ids`).
-3. Every response is decoded and scored with rewards.is_correct against the ground truth.
+3. Every response is decoded and scored with verify.is_correct against the ground truth.
 
 Metrics (per problem i with c_i correct of n = k samples, then averaged over the N problems):
 - pass@1: the probability that one sample is right. Greedy (temperature 0, k 1): the greedy
@@ -38,7 +38,7 @@ Metrics (per problem i with c_i correct of n = k samples, then averaged over the
   "any sample correct"; `pass_at_k(n, c, k)` is the general function.
 - maj@k: majority vote (self-consistency, Wang et al. 2022, arXiv 2203.11171; "maj1@k" in Lewkowycz
   et al. 2022, Minerva, arXiv 2206.14858). The extracted answers vote; two answers vote together
-  when rewards.is_correct deems them equal (so "1,000", "1000" and "1000.0" are one vote);
+  when verify.is_correct deems them equal (so "1,000", "1000" and "1000.0" are one vote);
   responses with no answer do not vote; a tie goes to the answer seen first. The problem counts
   as solved when the winning answer is correct.
 - mean_length: generated tokens per response (the stop token included); truncated: the fraction of
@@ -68,10 +68,10 @@ import time
 import torch
 from tqdm import tqdm
 
+import checkpoints
 import data
-import model as model_lib
-import rewards
 import rollout
+import verify
 
 DEFAULT_ROWS = 64  # prompts x samples per generate call when --batch-size is not given
 BUNDLED_NAME = "bundled:SmolLM2-135M-Instruct"
@@ -95,7 +95,7 @@ def pass_at_k(n, c, k):
 def majority_vote(answers):
     """The most frequent answer among `answers` (None entries do not vote) -> (answer, votes).
 
-    Equal answers (`rewards.answers_equal`) vote together under the first one's spelling; a tie
+    Equal answers (`verify.answers_equal`) vote together under the first one's spelling; a tie
     goes to the answer seen first. (None, 0) when nobody voted.
     """
     clusters = []  # [representative, votes], in order of first appearance
@@ -103,7 +103,7 @@ def majority_vote(answers):
         if answer is None:
             continue
         for cluster in clusters:
-            if cluster[0] == answer or rewards.answers_equal(answer, cluster[0]):
+            if cluster[0] == answer or verify.answers_equal(answer, cluster[0]):
                 cluster[1] += 1
                 break
         else:
@@ -209,7 +209,7 @@ def _score(record, prompt_ids, samples, tokenizer, plain):
     responses = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in samples]
     if plain:
         responses = [_cut_plain_continuation(text) for text in responses]
-    extracted = [rewards.extract_answer(text) for text in responses]
+    extracted = [verify.extract_answer(text) for text in responses]
     voted, votes = majority_vote(extracted)
     return {
         "id": record["id"],
@@ -218,12 +218,12 @@ def _score(record, prompt_ids, samples, tokenizer, plain):
         "answer": record["answer"],
         "responses": responses,
         "extracted": extracted,
-        "correct": [rewards.is_correct(text, record["answer"]) for text in responses],
+        "correct": [verify.is_correct(text, record["answer"]) for text in responses],
         "lengths": [len(c.tokens) for c in samples],
         "finish_reasons": [c.finish_reason for c in samples],
         "voted": voted,
         "votes": votes,
-        "voted_correct": rewards.answers_equal(voted, record["answer"]),
+        "voted_correct": verify.answers_equal(voted, record["answer"]),
     }
 
 
@@ -354,7 +354,7 @@ def resolve_dtype(name, device):
         return torch.float32
     if name == "bfloat16":
         return torch.bfloat16
-    return torch.bfloat16 if device.type == "cuda" or model_lib.cpu_has_bf16() else torch.float32
+    return torch.bfloat16 if device.type == "cuda" or checkpoints.cpu_has_bf16() else torch.float32
 
 
 def parse_args(argv=None):
@@ -417,7 +417,7 @@ def main(argv=None):
 
     load_start = time.perf_counter()
     try:
-        model, tokenizer = model_lib.load_model(args.model, dtype=dtype, device=device)
+        model, tokenizer = checkpoints.load_model(args.model, dtype=dtype, device=device)
     except (OSError, ValueError) as error:
         parser.error(f"argument --model: {error}")
     load_seconds = time.perf_counter() - load_start

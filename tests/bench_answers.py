@@ -1,11 +1,11 @@
-"""Benchmark: rewards.is_correct against math-verify on the judged table (tests/answer_cases.py).
+"""Benchmark: verify.is_correct against math-verify on the judged table (tests/answer_cases.py).
 
     python tests/bench_answers.py            # needs `pip install math-verify` for its columns
 
 For each verifier: false negatives (a right answer rejected), false positives (a wrong answer
 accepted) and the mean time per call, overall and by form. math-verify runs twice: on the full
 response (its own extraction) and on the answer our extraction found, so that its equivalence is
-judged apart from its extraction. It is an optional extra for this script only: rewards.py never
+judged apart from its extraction. It is an optional extra for this script only: verify.py never
 imports it. Not collected by pytest (the name does not start with test_).
 """
 
@@ -16,7 +16,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-import rewards  # noqa: E402
+import verify  # noqa: E402
 from answer_cases import GROUPS  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def _math_verify():
             return False
 
     def check_extracted(response: str, truth: str) -> bool:
-        answer = rewards.extract_answer(response)
+        answer = verify.extract_answer(response)
         return answer is not None and check(f"${answer}$", truth)
 
     return check, check_extracted
@@ -53,10 +53,10 @@ def _score(check, cases) -> tuple[int, int, float]:
 
 def main() -> None:
     cases = [c for group in GROUPS.values() for c in group]
-    verifiers = {"rewards.is_correct": rewards.is_correct}
+    verifiers = {"verify.is_correct": verify.is_correct}
     check, check_extracted = _math_verify()
     if check is None:
-        print("math-verify is not installed (pip install math-verify): only rewards.py is measured\n")
+        print("math-verify is not installed (pip install math-verify): only verify.py is measured\n")
     else:
         check("Answer: $1$", "1")  # warm-up: math-verify imports sympy and builds its grammar lazily
         verifiers["math-verify (full response)"] = check
@@ -78,7 +78,7 @@ def main() -> None:
         print("\nmath-verify's misses (verdict, response's answer, truth):")
         for response, truth, verdict, why in cases:
             if check(response, truth) != verdict:
-                print(f"  {'FN' if verdict else 'FP'}  {rewards.extract_answer(response)!r:40.40s} {truth!r:30.30s} {why}")
+                print(f"  {'FN' if verdict else 'FP'}  {verify.extract_answer(response)!r:40.40s} {truth!r:30.30s} {why}")
 
 
 if __name__ == "__main__":

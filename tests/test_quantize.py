@@ -8,7 +8,8 @@ import torch
 
 import quantize
 from conftest import hf_model, random_ids
-from model import add_lora, load_model, save_model
+from checkpoints import load_model, save_model
+from lora import add_lora
 from quantize import NF4, NF4Linear, dequantize, nf4_levels
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,5 @@
-"""Tests for rewards.py: extraction, verification, shaping terms, format terms, hostile input.
+"""Tests for verify.py and rewards.py: extraction, verification, shaping terms, format terms,
+hostile input.
 
 Run: python -m pytest tests/test_rewards.py -q
 """
@@ -16,10 +17,11 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import rewards  # noqa: E402
+import verify  # noqa: E402
 from rewards import (  # noqa: E402
-    answers_equal, extract_answer, format_reward, is_correct, math_reward, normalize_answer,
-    overlong_penalty, perplexity_penalty, xml_terms,
+    format_reward, math_reward, overlong_penalty, perplexity_penalty, xml_terms,
 )
+from verify import answers_equal, extract_answer, is_correct, normalize_answer  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # Hand-computed vectors
@@ -248,7 +250,7 @@ def test_equivalence_is_symmetric_and_repeatable():
             assert answers_equal(answer, truth) == answers_equal(truth, answer) == answers_equal(answer, truth)
 
 
-F = rewards.Fraction
+F = verify.Fraction
 
 
 @pytest.mark.parametrize("text, tree", [
@@ -270,7 +272,7 @@ F = rewards.Fraction
     ("1,000", ("n", 1000)),  # a thousand, not the list 1, 0
 ])
 def test_parser_trees(text, tree):
-    assert rewards._read(text) == tree
+    assert verify._read(text) == tree
 
 
 @pytest.mark.parametrize("text", [
@@ -278,24 +280,24 @@ def test_parser_trees(text, tree):
     "(" * 100 + "1" + ")" * 100, "+".join(["x"] * 300), "1" + "0" * 200,
 ])
 def test_parser_refuses(text):
-    with pytest.raises(rewards._Fail):
-        rewards._read(text)
+    with pytest.raises(verify._Fail):
+        verify._read(text)
 
 
 def test_exact_values():
-    assert rewards._power(F(-8), F(1, 3)) == F(-2)  # a real odd root
-    assert rewards._power(F(4, 9), F(3, 2)) == F(8, 27)
-    assert rewards._power(F(2), F(-3)) == F(1, 8)
-    z, err = rewards._power(F(2), F(1, 2))  # irrational: a float and its error bound
+    assert verify._power(F(-8), F(1, 3)) == F(-2)  # a real odd root
+    assert verify._power(F(4, 9), F(3, 2)) == F(8, 27)
+    assert verify._power(F(2), F(-3)) == F(1, 8)
+    z, err = verify._power(F(2), F(1, 2))  # irrational: a float and its error bound
     assert abs(z - math.sqrt(2)) < 1e-15 and 0 < err < 1e-14  # a few units of rounding
-    assert rewards._power(F(-4), F(1, 2)) == (2j, rewards._power(F(-4), F(1, 2))[1])
+    assert verify._power(F(-4), F(1, 2)) == (2j, verify._power(F(-4), F(1, 2))[1])
     with pytest.raises(ArithmeticError):
-        rewards._power(F(0), F(-1))
+        verify._power(F(0), F(-1))
     with pytest.raises(ArithmeticError):  # 2^(2^100) is no float
-        rewards._power(F(2), F(2) ** 100)
+        verify._power(F(2), F(2) ** 100)
     with pytest.raises(ArithmeticError):  # the divisor may be 0
-        pi = rewards._CONSTANT_VALUES["pi"]
-        rewards._div(F(1), rewards._add(pi, rewards._neg(pi)))
+        pi = verify._CONSTANT_VALUES["pi"]
+        verify._div(F(1), verify._add(pi, verify._neg(pi)))
 
 
 @pytest.mark.parametrize("a, b, equal", [
@@ -318,20 +320,20 @@ def test_work_is_counted_and_bounded(monkeypatch):
     """Count work, not seconds (robust on a loaded CI machine): no comparison evaluates more than
     MAX_WORK nodes and pairs; a comparison that would is unequal, never an error."""
     most = [0]
-    spend = rewards._Values.spend
+    spend = verify._Values.spend
 
     def counting(self):
         most[0] = max(most[0], self.work + 1)
         spend(self)
 
-    monkeypatch.setattr(rewards._Values, "spend", counting)
+    monkeypatch.setattr(verify._Values, "spend", counting)
     members = [f"\\sqrt{{{k}}}x^2" for k in range(2, 30)]  # 28 float members, 6 points, matched pairwise
     heavy = ["\\{" + ",".join(members) + "\\}", "\\{" + ",".join(reversed(members)) + "\\}"]
     assert answers_equal(*heavy) is False  # equal sets, but past the budget: unequal
-    assert most[0] == rewards.MAX_WORK + 1
+    assert most[0] == verify.MAX_WORK + 1
     most[0] = 0
     assert answers_equal(heavy[0].replace(",\\sqrt{29}x^2", ""), heavy[1].replace("\\sqrt{29}x^2,", ""))
-    assert most[0] < rewards.MAX_WORK  # one member fewer fits
+    assert most[0] < verify.MAX_WORK  # one member fewer fits
     most[0] = 0
     assert answers_equal("(x+1)^2", "x^2+2x+1")
     assert most[0] == 6 * (5 + 9) + 1  # 6 points x (5 + 9 nodes), and one pair
@@ -381,7 +383,7 @@ def test_extraction_last_answer_anywhere():
 
 def test_extraction_reads_only_the_tail():
     # The answer sits at the end; only the last MAX_SCAN_CHARS characters are read.
-    filler = "word " * (rewards.MAX_SCAN_CHARS // 2)
+    filler = "word " * (verify.MAX_SCAN_CHARS // 2)
     assert extract_answer(filler + "\nAnswer: 5") == "5"
     assert extract_answer("Answer: 5\n" + filler) is None
 
@@ -507,8 +509,9 @@ def test_math_reward_hostile_response():
 # Safety: no code evaluation, standard library only
 
 
-def test_source_never_evaluates_text():
-    tree = ast.parse(pathlib.Path(rewards.__file__).read_text())
+@pytest.mark.parametrize("module", [verify, rewards], ids=["verify", "rewards"])
+def test_source_never_evaluates_text(module):
+    tree = ast.parse(pathlib.Path(module.__file__).read_text())
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     assert not names & {"eval", "exec", "compile", "__import__"}
     imported = set()
@@ -518,7 +521,7 @@ def test_source_never_evaluates_text():
         elif isinstance(n, ast.ImportFrom):
             imported.add(n.module.split(".")[0])
     assert imported <= {"__future__", "cmath", "math", "random", "re", "fractions", "decimal", "itertools",
-                        "unicodedata"}
+                        "unicodedata", "verify"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -667,7 +670,7 @@ def test_fuzz_hostile_inputs():
             (math_reward, (text, truth), dict(format_style=rng.choice(["answer", "think", "think-soft"]),
                                               format_weight=0.5, length=18, max_len=20, cache_len=5,
                                               mean_nll=2.2, ppl_threshold=2.0, ppl_window=0.5)),
-            (normalize_answer, (text[:rewards.MAX_ANSWER_CHARS],), {}),
+            (normalize_answer, (text[:verify.MAX_ANSWER_CHARS],), {}),
             (answers_equal, (_hostile_math(rng), _hostile_math(rng)), {}),
         ]
         for fn, args, kwargs in calls:

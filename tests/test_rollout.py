@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import FAMILIES, random_ids
-from model import load_model, token_logprobs
+from checkpoints import load_model
+from model import token_logprobs
 from rollout import (Completion, generate, inverse_cdf, sample_keys, sample_tokens,
                      step_uniforms)
 
@@ -423,14 +424,16 @@ def test_length_finish(tiny):
     assert all(math.isfinite(x) and x <= 0 for c in out for x in c.logprobs)
 
 
-@pytest.mark.parametrize("flags, named", [(["--device", "gpu0"], "--device gpu0"),
-                                          (["--dtypes", "fp32"], "--dtypes")])
+@pytest.mark.parametrize("flags, named", [(["sampler", "--device", "gpu0"], "--device gpu0"),
+                                          (["sampler", "--dtypes", "fp32"], "--dtypes"),
+                                          (["moe", "--device", "cuda"], "cpu only"),
+                                          (["sampling"], "invalid choice")])
 def test_bench_flags_are_checked_before_any_work(flags, named):
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(root / "rollout.py"), "--bench"] + flags,
+    proc = subprocess.run([sys.executable, str(root / "bench.py")] + flags,
                           capture_output=True, text=True, cwd=root, timeout=120)
     assert proc.returncode == 2 and named in proc.stderr and "Traceback" not in proc.stderr
 
@@ -467,7 +470,7 @@ def test_recorded_routing_is_what_a_fresh_forward_routes(tiny):
     equal those of one forward over prompt + completion; the last token's are -1 unless the
     row, stopped but not yet dropped, was fed it.
     Rows are left-padded and compacted as they stop, so the bookkeeping is exercised."""
-    from model import Routing
+    from moe import Routing
     model = tiny("qwen3_moe")
     prompts = tiny_prompts(model.config.vocab_size, lengths=(5, 12, 9))
     out = generate(model, prompts, num_samples=2, max_new_tokens=10, temperature=1.0,

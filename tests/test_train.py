@@ -1026,7 +1026,7 @@ def test_replayed_routing_lines_up_with_the_packed_batch(tiny, tmp_path):
     """replay_experts places each completion's recorded experts where pack() puts its tokens:
     with unchanged weights, a free forward over the packed batch routes exactly as replayed."""
     import train
-    from model import Routing
+    from moe import Routing
     model_dir = family_checkpoint(tmp_path / "model", "qwen3_moe")
     run = in_process_run(tmp_path, (model_dir, tiny[1]), "--routing-replay")
     records = next(run.stream)[:3]

@@ -1,0 +1,370 @@
+"""Benchmarks, each side by side with transformers on the same weights in one process (ratios,
+never absolute times, compare across machines; every report names its CPU or GPU).
+
+    python bench.py sampler   # rollout.generate eager and compiled vs transformers' generate eager
+                              # and static-cache compiled: tok/s, ratios, matmul-only bound, compile
+    python bench.py update    # forward + backward + AdamW tok/s (fp32, bf16 autocast), log-prob memory
+    python bench.py moe       # a small Qwen3-MoE's forward + backward tok/s
+    python bench.py sampler --device cuda --model DIR   # on a GPU (recipes/gpu-check.sh makes DIR)
+
+A whole training step's time split (rollout / scoring / update) is `python train.py --bench`.
+"""
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+from checkpoints import (_read_safetensors, converted_dir, cpu_has_bf16, empty_model, load_model,
+                         load_state_dict_strict, read_config)
+from model import Transformer, compile_blocks, token_logprobs
+from rollout import generate
+
+
+# ----------------------------------------------------------------------------- the sampler
+
+def sync(device):
+    if device.type == "cuda":  # kernels run asynchronously: wait before reading the clock
+        torch.cuda.synchronize(device)
+
+
+def matmul_bound_seconds(model: Transformer, rows: int, repeats=5) -> float:
+    """Time of the matrix products alone in one decode step at `rows` rows (measured here)."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=model.dtype, device=model.device)
+          for w in weights}
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            sync(model.device)
+            t = time.perf_counter()
+            for w in weights:
+                F.linear(xs[w.shape[1]], w)
+            sync(model.device)
+            times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def bench_prompts(tokenizer, count):
+    questions = [f"What is {a} + {b}?" for a, b in zip(range(3, 200, 13), range(90, 7, -5))]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                           add_generation_prompt=True, tokenize=False)
+             for q in questions][:count]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def timed(run, device):
+    sync(device)
+    start = time.perf_counter()
+    run()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def bench_paths(ours, hf, prompts, args):
+    """{name: run()}: our sampler eager and compiled, transformers' generate eager and with its
+    fastest documented setup (static cache, forward through torch.compile), same batch."""
+    device, rows = ours.device, args.prompts * args.samples
+    pad = hf.generation_config.pad_token_id
+    width = max(map(len, prompts))
+    hf_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    starts = torch.tensor([width - len(p) for p in prompts], device=device)
+    hf_mask = torch.arange(width, device=device)[None] >= starts[:, None]  # (N, P) left padding
+    hf_compiled = torch.compile(hf.forward, fullgraph=True,
+                                mode="reduce-overhead" if device.type == "cuda" else None)
+
+    def ours_run(compiled):
+        out = generate(ours, prompts, num_samples=args.samples, max_new_tokens=args.new_tokens,
+                       temperature=1.0, stop_token_ids=[], seed=0, compile=compiled)
+        assert all(len(c.tokens) == args.new_tokens for c in out)
+
+    def hf_run(static):
+        with torch.no_grad():
+            out = hf.generate(hf_ids, attention_mask=hf_mask.long(), do_sample=True,
+                              temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
+                              min_new_tokens=args.new_tokens, num_return_sequences=args.samples,
+                              cache_implementation="static" if static else None)
+        assert out.shape == (rows, width + args.new_tokens)
+
+    def hf_static_compiled():
+        hf.forward = hf_compiled
+        try:
+            hf_run(static=True)
+        finally:
+            del hf.forward  # back to the class's eager forward
+
+    return {"ours eager": lambda: ours_run(False), "ours compiled": lambda: ours_run(True),
+            "transformers eager": lambda: hf_run(False),
+            "transformers static+compiled": hf_static_compiled}
+
+
+def bench_sampler(args):
+    """Tokens per second of each path (median of alternated runs), the ratio to transformers'
+    eager generate, the fraction of the matmul-only bound, and each path's first-call time
+    (compiling included) for every dtype."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    _, tokenizer = load_model(args.model, device="cpu")
+    prompts = bench_prompts(tokenizer, args.prompts)
+    tokens = args.prompts * args.samples * args.new_tokens
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"{cpu_name()}, {torch.get_num_threads()} threads")
+    print(f"{args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
+          f"temperature 1, no early stop, {where}")
+    dtypes = args.dtypes.split(",") if args.dtypes else (
+        ["float32", "bfloat16"] if cpu_has_bf16() or device.type == "cuda" else ["float32"])
+    if "bfloat16" not in dtypes:
+        print("bfloat16 skipped: this CPU has no native bf16 matrix instructions (AVX-512 BF16 or "
+              "AMX), so bf16 runs slower than fp32 here; force it with --dtypes float32,bfloat16")
+    for dtype in [getattr(torch, d) for d in dtypes]:
+        ours, _ = load_model(args.model, dtype=dtype, device=device)
+        hf = AutoModelForCausalLM.from_pretrained(args.model or converted_dir(),
+                                                  dtype=dtype).to(device).eval()
+        hf.generation_config.pad_token_id = tokenizer.pad_token_id or 0
+        paths = bench_paths(ours, hf, prompts, args)
+        first = {}
+        for name, run in paths.items():  # compiles here; printed at once, as it can take minutes
+            first[name] = timed(run, device)
+            print(f"  {name}: first call {first[name]:.1f} s", flush=True)
+        times = {name: [] for name in paths}
+        for _ in range(args.repeats):  # alternate, so drift hits every path alike
+            for name, run in paths.items():
+                times[name].append(timed(run, device))
+        rate = {name: tokens / statistics.median(t) for name, t in times.items()}
+        rows = args.prompts * args.samples
+        bound = rows / matmul_bound_seconds(ours, rows)  # tok/s
+        print(f"{str(dtype).replace('torch.', '')}: matmul-only bound {bound:.0f} tok/s")
+        for name in paths:
+            ratio = rate[name] / rate["transformers eager"]
+            print(f"  {name:30s} {rate[name]:7.0f} tok/s  {ratio:5.2f}x  {rate[name] / bound:4.0%} "
+                  f"of the bound  first call {first[name]:6.1f} s")
+
+
+# ----------------------------------------------------------------------------- the update
+
+def _bench_logprob_memory(path: str, batch: int, length: int, chunked: bool):
+    """Runs in a fresh process: peak resident memory of one log-prob pass over the vocabulary."""
+    def peak_mib():  # the kernel's high-water mark of resident memory (VmHWM)
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
+
+    torch.manual_seed(0)
+    model, _ = load_model(path, dtype=torch.float32, device="cpu")
+    ids = torch.randint(0, model.config.vocab_size, (batch, length))
+    with torch.no_grad():
+        hidden = model(ids, return_hidden=True)  # (B, T, C): shared by both paths, not measured
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident size (Linux)
+        base = peak_mib()
+        if chunked:
+            logp = token_logprobs(model, ids, hidden=hidden)
+        else:  # the naive path: full (B, T, V) float32 logits, then their log-softmax
+            logits = model.logits(hidden[:, :-1]).float()  # (B, T-1, V)
+            logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        peak = peak_mib()
+    return peak - base, logp  # MiB above the state before the pass
+
+
+def bench_memory(args):
+    """Peak memory of the log-probs over the vocabulary: ours chunked against the naive path."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    print(f"log-probs of B={args.batch} x T={args.length} tokens over the vocabulary "
+          "(peak memory above the model and its hidden states, each path in a fresh process):")
+    with ctx.Pool(1) as pool:
+        naive_mib, naive = pool.apply(_bench_logprob_memory, (args.model, args.batch, args.length, False))
+    with ctx.Pool(1) as pool:
+        chunk_mib, chunked = pool.apply(_bench_logprob_memory, (args.model, args.batch, args.length, True))
+    print(f"  naive full logits + log_softmax: {naive_mib:7.0f} MiB")
+    print(f"  token_logprobs (chunked):        {chunk_mib:7.0f} MiB   ({chunk_mib / naive_mib:.1%} of "
+          f"naive; max |difference| {(naive - chunked).abs().max().item():.1e})")
+
+
+def bench_update(args):
+    """Forward + backward + AdamW tokens/s: ours eager and with its blocks compiled, against
+    transformers, in fp32 and (where bf16 is native) under bf16 autocast."""
+    import statistics
+    from transformers import AutoModelForCausalLM
+    model_dir = args.model or converted_dir()
+    B, T, device = args.train_batch, args.train_length, torch.device(args.device)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 49152, (B, T), device=device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"{cpu_name()}, {torch.get_num_threads()} threads"
+    print(f"forward + backward + AdamW on {B} x {T} tokens (median of {args.repeats}, {where}):")
+
+    def step_ours(model, opt, autocast):
+        with autocast:
+            logp = token_logprobs(model, ids)
+        (-logp.mean()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def step_hf(model, opt, autocast):
+        with autocast:
+            logits = model(ids).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])
+        (-logp.mean()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    precisions = [("float32", contextlib.nullcontext)]
+    if cpu_has_bf16() or device.type == "cuda":
+        precisions.append(("bf16 autocast", lambda: torch.autocast(device.type, dtype=torch.bfloat16)))
+    else:
+        print("  (bf16 autocast skipped: this CPU has no native bf16 matrix instructions)")
+    results = {}
+    for name, autocast in precisions:
+        ours, _ = load_model(args.model, dtype=torch.float32,
+                             device=device)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+        ours.train(), hf.train()
+        compiled, _ = load_model(args.model,
+                                 dtype=torch.float32, device=device)
+        compile_blocks(compiled.train())
+        runs = {"ours": (ours, step_ours), "ours, blocks compiled": (compiled, step_ours),
+                "transformers": (hf, step_hf)}
+        # fused AdamW for both: what train.py uses, and transformers' Trainer default
+        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-6, fused=True) for k, (m, _) in runs.items()}
+        times = _alternated_times(runs, opts, autocast, args.repeats, device)
+        for k in runs:
+            results[(name, k)] = B * T / statistics.median(times[k][1:])
+        for k in runs:
+            print(f"  {name:14s} {k:22s} {results[(name, k)]:6.0f} tok/s   "
+                  f"{results[(name, k)] / results[(name, 'transformers')]:.2f}x transformers"
+                  f"   first step {times[k][0]:5.1f} s")
+        del ours, compiled, hf, opts
+    if len(precisions) > 1:
+        print(f"  bf16 autocast / float32 (ours): "
+              f"{results[('bf16 autocast', 'ours')] / results[('float32', 'ours')]:.2f}x")
+
+
+def _alternated_times(runs, opts, autocast, repeats, device):
+    """{name: [seconds of each step]} of every run, alternated so drift hits each alike; the
+    first round warms up (and compiles)."""
+    times = {k: [] for k in runs}
+    for _ in range(repeats + 1):
+        for k, (m, fn) in runs.items():
+            if device.type == "cuda":  # kernels run asynchronously: wait before the clock
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            fn(m, opts[k], autocast())
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[k].append(time.perf_counter() - t)
+    return times
+
+
+def cpu_name() -> str:
+    """The CPU's model name and its bf16 matrix flags, for benchmark reports."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown CPU"
+    name = next((l.split(":", 1)[1].strip() for l in info.splitlines()
+                 if l.startswith("model name")), "unknown CPU")
+    flags = sorted({f for f in ("avx512_bf16", "amx_bf16") if f in info})
+    return f"{name} ({', '.join(flags) or 'no avx512_bf16/amx_bf16'})"
+
+
+def bench_moe(args):
+    """Forward + backward tokens/s of a small Qwen3-MoE (8 experts, top-2, 4 layers), ours
+    against transformers' implementation on the same weights, alternating, in this process."""
+    import statistics
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    hf_cfg = Qwen3MoeConfig(vocab_size=4096, hidden_size=256, intermediate_size=512,
+                            moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+                            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                            head_dim=32, norm_topk_prob=True, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.05)
+    with tempfile.TemporaryDirectory() as directory:
+        hf.save_pretrained(directory)
+        cfg = read_config(os.path.join(directory, "config.json"))
+        ours = empty_model(cfg, torch.float32, "cpu")
+        load_state_dict_strict(ours, _read_safetensors(directory), directory)
+    B, T = args.moe_batch, args.moe_length
+    ids = torch.randint(0, hf_cfg.vocab_size, (B, T))
+    with torch.no_grad():
+        diff = (ours(ids) - hf(ids).logits).abs().max().item()
+    print(f"MoE forward + backward, {B} x {T} tokens, 8 experts top-2, hidden 256, 4 layers "
+          f"({torch.get_num_threads()} threads, {cpu_name()}; logits max |diff| {diff:.1e}):")
+
+    def step(model, logits_of):
+        model.zero_grad(set_to_none=True)
+        logits_of(model).float().logsumexp(-1).mean().backward()  # the same loss for both
+
+    runs = {"ours": (ours, lambda m: m(ids)), "transformers": (hf, lambda m: m(ids).logits)}
+    times = {k: [] for k in runs}
+    for r in range(args.repeats + 1):  # alternate; the first round warms up
+        for k, (m, fn) in runs.items():
+            t = time.perf_counter()
+            step(m, fn)
+            if r:
+                times[k].append(time.perf_counter() - t)
+    tps = {k: B * T / statistics.median(v) for k, v in times.items()}
+    print(f"  ours {tps['ours']:6.0f} tok/s   transformers {tps['transformers']:6.0f} tok/s   "
+          f"ratio {tps['ours'] / tps['transformers']:.2f}x")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=["sampler", "update", "moe"])
+    parser.add_argument("--model", default=None, help="checkpoint dir / .gguf / hub id "
+                        "(default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (moe and the memory part: "
+                        "cpu only)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (default: torch's; 1 on a machine shared with others)")
+    sampler = parser.add_argument_group("sampler")
+    sampler.add_argument("--prompts", type=int, default=16, help="prompts per batch")
+    sampler.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    sampler.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row")
+    sampler.add_argument("--dtypes", default=None, help="comma-separated, e.g. float32,bfloat16 "
+                         "(default: both where the device has native bf16, else float32)")
+    update = parser.add_argument_group("update")
+    update.add_argument("--batch", type=int, default=8, help="log-prob memory: rows")
+    update.add_argument("--length", type=int, default=512, help="log-prob memory: tokens per row")
+    update.add_argument("--train-batch", type=int, default=8, help="update speed: rows")
+    update.add_argument("--train-length", type=int, default=256, help="update speed: tokens per row")
+    moe = parser.add_argument_group("moe")
+    moe.add_argument("--moe-batch", type=int, default=8, help="MoE speed: rows")
+    moe.add_argument("--moe-length", type=int, default=256, help="MoE speed: tokens per row")
+    args = parser.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device}: not a device name (cpu, cuda, cuda:1, ...)")
+    if args.what == "moe" and device.type != "cpu":
+        parser.error("moe: --device cpu only")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch build or machine has no CUDA device")
+    for name in (args.dtypes or "float32").split(","):
+        if name not in ("float32", "bfloat16", "float16"):
+            parser.error(f"--dtypes: {name!r} is not one of float32, bfloat16, float16")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.what == "sampler":
+        bench_sampler(args)
+    elif args.what == "update":
+        if device.type == "cpu":
+            bench_memory(args)
+        bench_update(args)
+    else:
+        bench_moe(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
