@@ -68,6 +68,9 @@ import json
 import os
 import random
 import re
+from typing import NamedTuple
+
+import torch
 
 DAPO_INSTRUCTION = (
     "Solve the following math problem step by step. The last line of your response should be of "
@@ -774,3 +777,46 @@ class PromptStream:
         self.step = int(state["step"])
         if "level" in state:
             self.source.load_state_dict({"level": state["level"]})
+
+
+def adversarial_variants(records, requests, rng, tokenizer, template, max_prompt_tokens):
+    """The harder (all right) or hinted (all wrong) variants of a round's signal-less prompts,
+    requests = dapo.adversarial_requests(...), those that still fit max_prompt_tokens (a hint or
+    a distractor makes a prompt longer)."""
+    variants = []
+    for group, how in requests:
+        variant = harder_variant(records[group], rng) if how == "harder" else hint_variant(records[group])
+        if variant is not None and len(format_prompt(variant, tokenizer, template)) <= max_prompt_tokens:
+            variants.append(variant)
+    return variants
+
+
+# ---- token batches ------------------------------------------------------------------------------
+
+class Packed(NamedTuple):
+    ids: torch.Tensor   # (B, P+C) prompts left-padded, completions right-padded
+    attn: torch.Tensor  # (B, P+C) 1 on real tokens
+    mask: torch.Tensor  # (B, C) 1 on completion tokens
+    start: int          # P: where the completions start
+
+
+def pack(prompts, completions, device) -> Packed:
+    """Prompts (token-id lists) left-padded and completions right-padded, in one batch."""
+    P = max(len(p) for p in prompts)
+    C = max(1, max(len(c) for c in completions))
+    ids = torch.zeros(len(prompts), P + C, dtype=torch.long)
+    attn = torch.zeros(len(prompts), P + C, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids[i, P - len(p):P] = torch.tensor(p)
+        ids[i, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
+        attn[i, P - len(p):P + len(c)] = 1
+    return Packed(ids.to(device), attn.to(device), attn[:, P:].to(device), P)
+
+
+def pad_rows(rows, width, device):
+    """Float lists (log-probs) right-padded with 0 to `width` -> (B, width)."""
+    out = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r[:width])
+    return out.to(device)
+

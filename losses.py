@@ -445,6 +445,16 @@ def gkl_per_token(logits: torch.Tensor, ref_logits: torch.Tensor, *, alpha: floa
     return term.reshape(shape), kl.reshape(shape), wmse.reshape(shape)
 
 
+def gkl_of_hidden(hidden, ref_hidden, weight, ref_weight, settings, softcap=None):
+    """GKL term per position from the two bodies' outputs: (b, c, H) -> (b, c). softcap: the
+    family's final-logit cap (Gemma 2), cap * tanh(z / cap)."""
+    logits, ref_logits = F.linear(hidden, weight), F.linear(ref_hidden, ref_weight)  # (b, c, V)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+        ref_logits = softcap * torch.tanh(ref_logits / softcap)
+    return gkl_per_token(logits, ref_logits, **settings)[0]
+
+
 def gkl_loss(logits: torch.Tensor, ref_logits: torch.Tensor, mask: torch.Tensor, *,
              alpha: float = 1.0, beta: float = 1.0, gamma: float = 1.0, temperature: float = 1.0,
              weight_temperature: float = 1.0, agg: str = "token-mean", num_tokens=None,

@@ -108,3 +108,23 @@ def load_balancing_loss(routing: Routing, num_experts: int, top_k: int, attentio
     f = counts / real.sum()
     P = (probs * real[:, None]).sum(0) / real.sum()
     return num_experts * (f * P).sum()
+
+
+def replay_layout(routes, prompts, tokens, width, num_layers, top_k):
+    """The sampler's experts (routes[i]: (len(prompts[i]) + len(tokens[i]), L, k)) laid out as
+    data.pack lays out the tokens -> (b, P + width, L, k), -1 (route freely) on padding and on
+    tokens the sampler never fed."""
+    P = max(len(p) for p in prompts)
+    replay = torch.full((len(routes), P + width, num_layers, top_k), -1, dtype=torch.long)
+    for j, (route, p, t) in enumerate(zip(routes, prompts, tokens)):
+        replay[j, P - len(p):P + len(t)] = route.long()  # prompt left-padded
+    return replay
+
+
+def router_loss(routing: Routing, cfg, attention_mask, weight: float):
+    """One forward's load-balancing loss -> (loss, named sums for the log: the loss counted once
+    per forward that carries weight, i.e. not for a stand-in)."""
+    aux = load_balancing_loss(routing, cfg.num_experts, cfg.experts_per_token, attention_mask)
+    counted = float(weight > 0)
+    return aux, {"router_aux_loss": float(aux) * counted, "router_aux_batches": counted}
+

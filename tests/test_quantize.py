@@ -89,15 +89,16 @@ def test_weight_memory_is_about_a_quarter_of_bf16(tiny_ckpt):
 def test_lora_on_a_quantised_base_trains_only_the_adapters(tmp_path):
     """Two training steps: every adapter moved, nothing else (codes, maxima, norms, embeddings)."""
     import config
+    import launch
     import train
     from test_train import BASE, digit_checkpoint, digit_data
     args, _ = config.parse_config(["--model", digit_checkpoint(tmp_path / "m"), "--data",
                                    digit_data(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run"),
                                    "--lora-rank", "4", "--quantize", "nf4", "--lr", "1e-2",
                                    "--no-dynamic-sampling"] + BASE)
-    run = train.setup(args)
+    run = launch.setup(args)
     before = {k: v.clone() for k, v in run.policy.state_dict().items()}
-    progress = train.Progress()
+    progress = launch.Progress()
     for _ in range(2):
         progress, _, _ = train.train_step(run, progress)
     after = run.policy.state_dict()

@@ -117,13 +117,13 @@ def weights(run_dir):
 
 
 def in_process_run(tmp_path, tiny, *extra):
-    """A train.Run built in this process (no torchrun): for the pieces of a step."""
+    """A launch.Run built in this process (no torchrun): for the pieces of a step."""
     import config
-    import train
+    import launch
     model_dir, data_file = tiny
     args, _ = config.parse_config(["--model", model_dir, "--data", data_file, "--out",
                                    str(tmp_path / "run"), "--mini-batches", "1"] + BASE + list(extra))
-    return train.setup(args)
+    return launch.setup(args)
 
 
 def rollouts(**fields):
@@ -510,11 +510,12 @@ def scripted_sampler(script):
 
 
 def test_dynamic_sampling_never_hangs_on_signal_less_groups(tiny, tmp_path, monkeypatch):
+    import launch
     import train
     run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "4")
     fake, calls = scripted_sampler(lambda record, call: [call % 2 == 0] * 4)  # all right / all wrong
     monkeypatch.setattr(train, "sample_and_reward", fake)
-    kept, sampled, surplus, asked = train.collect_rollouts(run, train.Progress())
+    kept, sampled, surplus, asked = train.collect_rollouts(run, launch.Progress())
     assert len(calls) == 5 and len(sampled) == 5 and kept.num_groups == 0 and surplus is None
     assert asked == 0 and kept.tokens == []
 
@@ -522,35 +523,38 @@ def test_dynamic_sampling_never_hangs_on_signal_less_groups(tiny, tmp_path, monk
 def test_dynamic_sampling_fills_exactly_and_carries_surplus(tiny, tmp_path, monkeypatch):
     """Informative groups are kept until the batch is full; with --keep-surplus the rest go to
     the next step, marked stale, and are used first there; without it they are dropped."""
+    import launch
+    import dataclasses
     import train
     run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "5", "--keep-surplus")
     # Round 0: groups 0 and 1 informative; round 1: all four.
     script = lambda record, call: [True, False] * 2 if call or int(record["id"][1:]) % 2 else [True] * 4
     fake, calls = scripted_sampler(script)
     monkeypatch.setattr(train, "sample_and_reward", fake)
-    kept, sampled, surplus, _ = train.collect_rollouts(run, train.Progress())
+    kept, sampled, surplus, _ = train.collect_rollouts(run, launch.Progress())
     informative_first = sum(int(i[1:]) % 2 for i in calls[0])
     assert len(calls) == 2 and kept.num_groups == 4 and not any(kept.stale)
     assert [r["id"] for r in kept.records] == [i for i in calls[0] if int(i[1:]) % 2] + \
         calls[1][:4 - informative_first]
     assert surplus.num_groups == informative_first and all(surplus.stale)
     # Carried groups come first, still stale; more carried in than wanted: no sampling at all.
-    carry = train.replace(train.Rollouts.concat([kept, kept]), stale=[True] * 32)
+    carry = dataclasses.replace(train.Rollouts.concat([kept, kept]), stale=[True] * 32)
     calls.clear()
-    kept, sampled, surplus, _ = train.collect_rollouts(run, train.Progress(carry=carry))
+    kept, sampled, surplus, _ = train.collect_rollouts(run, launch.Progress(carry=carry))
     assert calls == [] and kept.num_groups == 4 and all(kept.stale) and surplus is None
     # Without --keep-surplus there is nothing to carry.
     run.args.keep_surplus = False
-    assert train.collect_rollouts(run, train.Progress())[2] is None
+    assert train.collect_rollouts(run, launch.Progress())[2] is None
 
 
 def test_adversarial_variants_are_asked_in_the_next_round(tiny, tmp_path, monkeypatch):
+    import launch
     import train
     run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "1", "--adversarial")
     # Round 0: every prompt all right; its harder variants (new ids) come back informative.
     fake, calls = scripted_sampler(lambda record, call: [True] * 4 if call == 0 else [True, False] * 2)
     monkeypatch.setattr(train, "sample_and_reward", fake)
-    kept, sampled, _, asked = train.collect_rollouts(run, train.Progress())
+    kept, sampled, _, asked = train.collect_rollouts(run, launch.Progress())
     assert asked == 4 and len(calls) == 2 and kept.num_groups == 4
     assert all(r.get("variant") == "harder" for r in kept.records)
     assert [r["id"] for r in kept.records] == calls[1]
@@ -651,10 +655,13 @@ def test_bf16_path_runs(tiny, tmp_path):
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_chunked_gkl_term_equals_gkl_loss_on_whole_logits(tiny, tmp_path, agg):
-    """train.kl_term makes GKL's logits a few positions at a time from the body's output it is
+    """reference.kl_term makes GKL's logits a few positions at a time from the body's output it is
     handed (recomputed in backward); loss and gradient equal losses.gkl_loss on whole logits."""
+    import types
+
+    import data
     import losses
-    import train
+    import reference
     run = in_process_run(tmp_path, tiny, "--kl", "gkl", "--kl-coef", "1.0", "--loss-agg", agg,
                          "--gkl-beta", "2.0", "--gkl-gamma", "0.5", "--gkl-temperature", "1.5",
                          "--gkl-weight-temperature", "2.0")
@@ -662,12 +669,12 @@ def test_chunked_gkl_term_equals_gkl_loss_on_whole_logits(tiny, tmp_path, agg):
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    ids, attn, mask, start = train.pack([[2, 4, 5], [2, 6]], [[7, 8, 9, 3, 10], [9, 11]], "cpu")
+    ids, attn, mask, start = data.pack([[2, 4, 5], [2, 6]], [[7, 8, 9, 3, 10], [9, 11]], "cpu")
     div = {"num_tokens": mask.sum(), "num_seqs": 2}
-    mb = {"ids": ids, "attn": attn, "start": start, "mask": mask, "divisors": div}
+    mb = types.SimpleNamespace(ids=ids, attn=attn, start=start, mask=mask)
 
     hidden = model(ids, attn, return_hidden=True)
-    loss, _ = train.kl_term(run, mb, hidden, None, positions=2)
+    loss, _ = reference.kl_term(run, mb, div, hidden, None, positions=2)
     grads = torch.autograd.grad(loss, list(model.parameters()))
 
     C = mask.shape[1]
@@ -897,13 +904,16 @@ def test_a_bad_out_or_an_inert_flag_fails_before_any_work(tiny, tmp_path, capsys
 
 
 def test_variants_that_outgrow_the_prompt_budget_are_dropped(tiny, tmp_path):
-    import train
+    import dapo
+    import data
     run = in_process_run(tmp_path, tiny, "--template", "none", "--max-new-tokens", "40",
                          "--dynamic-sampling", "--max-refills", "1", "--adversarial")
     hints = ["t " * 3, "t " * 40]  # the second makes the hinted prompt longer than 64 - 40
     batch = rollouts(records=[{"id": "a", "prompt": "What is 1 + 1 ?", "answer": "2", "hint": h}
                               for h in hints], correct=[False] * 4)
-    variants = train.adversarial_variants(run, batch)
+    variants = data.adversarial_variants(batch.records, dapo.adversarial_requests(
+        batch.correct, batch.group_sizes), run.variant_rng, run.tokenizer, run.args.template,
+        max_prompt_tokens=run.policy.config.max_seq_len - run.args.max_new_tokens)
     assert [v["variant"] for v in variants] == ["hint"] and variants[0]["prompt"].endswith("t t t ")
 
 
@@ -971,13 +981,15 @@ def family_checkpoint(directory, family):
 def test_two_steps_on_each_family(tiny, tmp_path, family):
     """2 steps of train.py's loop on each new family (in this process: no interpreter start),
     and final/ loads in transformers (the MoE runs the whole CLI below)."""
+    import launch
+    import checkpoints
     import train
     from transformers import AutoModelForCausalLM
     model_dir = family_checkpoint(tmp_path / "model", family)
     # Every group trains and the entropy bonus gives a gradient even when no answer is right.
     run = in_process_run(tmp_path, (model_dir, tiny[1]), "--max-new-tokens", "20",
                          "--no-dynamic-sampling", "--entropy-coef", "0.01")
-    progress, rows, threads = train.Progress(), [], torch.get_num_threads()
+    progress, rows, threads = launch.Progress(), [], torch.get_num_threads()
     torch.set_num_threads(1)  # as the subprocess runs have it (OMP_NUM_THREADS=1)
     try:
         for _ in range(2):
@@ -988,7 +1000,7 @@ def test_two_steps_on_each_family(tiny, tmp_path, family):
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["grad_norm"] > 0
     assert all(r["sampler_trainer_mismatch"] < 1e-4 for r in rows)
     assert "router_aux_loss" not in rows[0]  # dense
-    train.save_model(run.policy, run.tokenizer, str(tmp_path / "final"))
+    checkpoints.save_model(run.policy, run.tokenizer, str(tmp_path / "final"))
     AutoModelForCausalLM.from_pretrained(tmp_path / "final")
 
 
@@ -1023,8 +1035,10 @@ def test_moe_flags_that_would_do_nothing_fail_before_training(tiny, tmp_path, ca
 
 
 def test_replayed_routing_lines_up_with_the_packed_batch(tiny, tmp_path):
-    """replay_experts places each completion's recorded experts where pack() puts its tokens:
-    with unchanged weights, a free forward over the packed batch routes exactly as replayed."""
+    """replay_experts places each completion's recorded experts where data.pack puts its
+    tokens: with unchanged weights, a free forward over the packed batch routes exactly as
+    replayed."""
+    import data
     import train
     from moe import Routing
     model_dir = family_checkpoint(tmp_path / "model", "qwen3_moe")
@@ -1032,7 +1046,7 @@ def test_replayed_routing_lines_up_with_the_packed_batch(tiny, tmp_path):
     records = next(run.stream)[:3]
     batch = train.sample_and_reward(run, records, [2, 1, 2], seeds=[1, 2, 3])
     rows = list(range(len(batch.tokens)))
-    ids, attn, mask, start = train.pack(batch.prompts, batch.tokens, run.args.device)
+    ids, attn, mask, start = data.pack(batch.prompts, batch.tokens, run.args.device)
     replay = train.replay_experts(run, batch, rows, mask.shape[1])  # (b, P+C, L, k)
     free = Routing()
     with torch.no_grad():

@@ -1,0 +1,423 @@
+"""A run around its steps: setup (ranks, the model and its copies, the optimizer, the data, every
+flag checked against them), checkpoints and resume, held-out evaluation, the final save. train.py
+calls these; its steps never do.
+
+    run = setup(args)                            # -> Run: the long-lived objects
+    progress, carried = load_checkpoint(run)     # --resume
+    save_checkpoint(run, progress)
+    evaluate_and_log(run, progress)              # held-out accuracy into eval.jsonl
+"""
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import json
+import os
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import config
+import dapo
+import data
+import episodes
+import quantize
+import runs
+import sharding
+import verify
+from checkpoints import cpu_has_bf16, load_model, save_model
+from distributed import gather, setup_distributed
+from lora import add_lora
+from rollout import line_break_ids, stop_token_ids
+
+
+# ---- what a run holds ----------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """The long-lived objects of a run (a step's data flows through Rollouts, not here)."""
+    args: argparse.Namespace
+    rank: int
+    world: int
+    model: torch.nn.Module      # the policy; under torchrun wrapped in DDP (forward and backward)
+    policy: torch.nn.Module     # the same module unwrapped (parameters, head, saving)
+    sampler: torch.nn.Module    # what rollouts run on: a bf16 copy where bf16 is fast, or policy
+    reference: torch.nn.Module  # frozen copy for KL / GKL / DPO, or None (none, or --ref lora-off)
+    tokenizer: object
+    stop_ids: list
+    step_separators: list       # token ids that end a line (Step-DPO's steps)
+    optimizer: torch.optim.Optimizer
+    source: object              # data.ArithmeticTask or a list of records
+    stream: data.PromptStream   # this rank's slice of every batch
+    heldout: list               # held-out records, or None
+    bf16: bool                  # updates under bf16 autocast
+    variant_rng: random.Random  # draws the adversarial variants
+    run_lock: object            # rank 0's hold on the run directory (run.lock), else None
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a checkpoint restores besides the weights, the optimizer and the random states."""
+    step: int = 0                  # training steps done
+    updates: int = 0               # optimizer updates done (mu per step)
+    train_seconds: float = 0.0     # across resumes: the time limit counts the whole run
+    accuracy_ema: float = None     # training accuracy, moving average (the curriculum reads it)
+    skipped_updates: int = 0       # non-finite losses or gradients, left out
+    prompt_accuracy: dict = field(default_factory=dict)  # per prompt id, all ranks' samples
+    carry: object = None           # this rank's surplus groups for the next step (Rollouts)
+
+
+# ---- setup ---------------------------------------------------------------------------------------
+
+def setup(args):
+    """The model, its copies, the optimizer and the data of a run -> Run."""
+    rank, world, device = setup_distributed()
+    args.device = device
+    args.out = args.resume or args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    writes = rank == 0 and not args.bench
+    if writes and not args.resume:  # a bad --out fails now, not after loading (checked again later)
+        try:
+            runs.check_new(args.out)
+        except runs.RunError as error:
+            sys.exit(f"train.py: {error}")
+    run_lock = claim_run_directory(args) if writes and args.resume else None  # before any work
+    if args.prompts_per_step % world:
+        sys.exit(f"train.py: --prompts-per-step {args.prompts_per_step} must be a multiple of the "
+                 f"{world} ranks")
+    torch.manual_seed(args.seed + rank)
+    random.seed(args.seed + rank)
+    try:
+        policy, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
+    except (OSError, ValueError) as e:
+        sys.exit(f"train.py: --model: {e}")
+    refuse_mismatches(args, policy)
+    policy.train()
+    policy.gradient_checkpointing = args.activation_checkpointing
+    if args.lora_rank:
+        add_lora(policy, rank=args.lora_rank, alpha=args.lora_alpha)
+    if args.quantize == "nf4":
+        try:
+            quantize.quantize_lora_bases(policy)
+        except ValueError as e:
+            sys.exit(f"train.py: {e}")
+    if args.template is None:
+        args.template = "none" if str(args.data).startswith(("arithmetic", "memory")) else "dapo"
+    try:  # every row is checked before any training
+        source, heldout = load_data(args, tokenizer, policy.config.max_seq_len)
+    except data.DataError as e:
+        sys.exit(f"train.py: --data: {e}")
+    if writes and not args.resume:  # a new run: once its model and data passed their checks
+        run_lock = claim_run_directory(args)
+    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and (device.type == "cuda" or cpu_has_bf16()))
+    model, sampler, reference = policy_copies(args, policy, bf16)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    return Run(
+        args=args, rank=rank, world=world, policy=policy, tokenizer=tokenizer, model=model,
+        sampler=sampler, reference=reference,
+        # Every reply of the memory task is one line (episodes.py): its sampler stops at a break.
+        stop_ids=stop_token_ids(tokenizer) + (line_break_ids(tokenizer)
+                                              if isinstance(source, episodes.MemoryTask) else []),
+        step_separators=line_break_ids(tokenizer)
+        if args.algo == "dpo" and args.dpo_pairs == "step" else [],
+        optimizer=torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay,
+                                    betas=(0.9, 0.999), fused=True),  # one kernel for all tensors
+        source=source, heldout=heldout, bf16=bf16, run_lock=run_lock,
+        stream=data.PromptStream(source, args.prompts_per_step, seed=args.seed, rank=rank, world_size=world),
+        variant_rng=random.Random(f"{args.seed}:adversarial:{rank}"))
+
+
+def refuse_mismatches(args, policy):
+    """Flags that cannot act on this model or launch, refused by name before any work."""
+    if (args.routing_replay or args.router_aux_coef) and not policy.config.num_experts:
+        sys.exit(f"train.py: --routing-replay and --router-aux-coef act on a Mixture-of-Experts "
+                 f"model; {args.model or 'the bundled model'} ({policy.config.model_type}) "
+                 "has no experts")
+    if (args.routing_replay or args.router_aux_coef) and args.algo == "dpo":
+        sys.exit("train.py: --routing-replay and --router-aux-coef act on the policy-gradient "
+                 "update (--algo pg), not on DPO")
+    if args.fsdp and not dist.is_initialized():
+        sys.exit("train.py: --fsdp shards the model over torchrun's ranks: launch with torchrun "
+                 "(`torchrun --nproc_per_node N train.py --fsdp ...`, N = 1 works too)")
+
+
+def policy_copies(args, policy, bf16):
+    """What trains and samples beside the policy -> (the module the update runs through: the
+    DDP wrapper or, under --fsdp, the sharded policy itself; the sampler; the reference or None).
+    Rollouts run on a bf16 copy where bf16 is fast (and on a whole copy under FSDP), refreshed
+    after every step."""
+    device = args.device
+    sampler = copy.deepcopy(policy).to(torch.bfloat16 if bf16 else torch.float32).eval() \
+        if (bf16 and not args.lora_rank) or args.fsdp else policy
+    needs_reference = (args.kl != "none" or args.algo == "dpo") and args.ref == "frozen"
+    reference = copy.deepcopy(policy).eval().requires_grad_(False) if needs_reference else None
+    if args.fsdp:
+        sharding.shard(policy, bf16_on_cuda=bf16 and device.type == "cuda")
+        if reference is not None:
+            sharding.shard(reference, bf16_on_cuda=bf16 and device.type == "cuda")
+        sharding.copy_trainable(sampler, policy)  # rank 0's weights (shard broadcast them)
+        return policy, sampler, reference
+    model = torch.nn.parallel.DistributedDataParallel(
+        policy, device_ids=[device.index] if device.type == "cuda" else None) \
+        if dist.is_initialized() else policy
+    return model, sampler, reference
+
+
+def claim_run_directory(args):
+    """Rank 0's hold on the run directory (runs.lock), so that no second process writes it; a new
+    run's directory is created in the same step as the check that it is new. -> the lock"""
+    try:
+        if not args.resume:
+            runs.create(args.out)
+        return runs.lock(args.out)
+    except runs.RunError as error:
+        sys.exit(f"train.py: {error}")
+
+
+def load_data(args, tokenizer, context):
+    """-> (training source: ArithmeticTask or records, held-out records or None), all checked."""
+    max_prompt = context - args.max_new_tokens
+    if max_prompt < 1:
+        raise data.DataError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt "
+                             f"in the model's context of {context}")
+    heldout = None
+    if str(args.data).startswith(("arithmetic", "memory")):
+        task = episodes.MemoryTask if str(args.data).startswith("memory") else data.ArithmeticTask
+        source = task.from_spec(args.data)
+        if args.eval_data is None:
+            heldout = source.heldout(args.eval_limit)
+    else:
+        source = data.load_records(args.data, tokenizer=tokenizer, template=args.template,
+                                   max_prompt_tokens=max_prompt)
+    if args.eval_data:
+        heldout = data.load_records(args.eval_data, split="test", limit=args.eval_limit,
+                                    tokenizer=tokenizer, template=args.template,
+                                    max_prompt_tokens=max_prompt)
+    return source, heldout
+
+
+def describe(run):
+    """What this run is, in a few lines (every flag is in config.json)."""
+    args = run.args
+    params = sum(p.numel() for p in run.policy.parameters()) / 1e6
+    precision = "bf16 rollouts and autocast updates, fp32 weights" if run.bf16 else "float32"
+    cpu = " with the CPU defaults" if args.model is None and args.preset in ("dapo", "dapo-memory") else ""
+    method = f"{args.algo} {args.adv_estimator}, {args.loss_agg}, clip {args.eps_low}/{args.eps_high}" \
+        if args.algo == "pg" else f"DPO ({args.dpo_pairs} pairs), beta {args.dpo_beta}"
+    return "\n".join([
+        f"model     {args.model or 'bundled SmolLM2-135M-Instruct'}: {params:.0f}M parameters, "
+        f"{precision}" + (f", LoRA rank {args.lora_rank}" if args.lora_rank else "")
+        + (f", base in {args.quantize.upper()}" if args.quantize != "none" else ""),
+        f"data      {args.data} (template {args.template}), held-out: "
+        f"{len(run.heldout) if run.heldout else 'none'}",
+        f"method    preset {args.preset}{cpu}: {method}, dynamic sampling "
+        f"{'on' if args.dynamic_sampling else 'off'}",
+        f"each step {args.prompts_per_step} prompts x {args.samples} samples of <= "
+        f"{args.max_new_tokens} tokens, {args.mini_batches} update(s), lr {args.lr:g} ({args.lr_schedule})",
+        f"length    {args.steps} steps" + (f" or {args.time_limit:g} training minutes" if args.time_limit else ""),
+        f"run       {args.out} (every flag: config.json)"])
+
+
+def open_run_directory(run, progress):
+    """config.json (on resume too: the flags given then, e.g. more --steps, hold for the next
+    resume); on resume, the log lines written after the checkpoint go (the steps after it run
+    again), the step-0 evaluation too if no checkpoint was written yet."""
+    args = run.args
+    runs.write_config(args.out, {k: v for k, v in vars(args).items()
+                                 if k not in ("device", "resume", "bench", "plot")})
+    runs.trim_log(os.path.join(args.out, "metrics.jsonl"), progress.step)
+    runs.trim_log(os.path.join(args.out, "samples.jsonl"), progress.step)
+    runs.trim_log(os.path.join(args.out, "eval.jsonl"), progress.step if progress.step else -1)
+
+
+def autocast(run):
+    """The update's precision: bf16 autocast where bf16 is fast (fp32 weights), else fp32."""
+    return torch.autocast(run.args.device.type, dtype=torch.bfloat16) if run.bf16 \
+        else contextlib.nullcontext()
+
+
+def refresh_sampler(run):
+    if run.sampler is not run.policy:
+        sharding.copy_trainable(run.sampler, run.policy)
+
+
+def shared_prompt_accuracy(run, progress, sampled):
+    """Every rank's prompt accuracies of this step folded into one running table, the same on
+    every rank (the adaptive budget reads it; prompts move between ranks each epoch)."""
+    seen = []
+    for batch in sampled:
+        firsts = set(batch.episode_starts())
+        for record, start, size in zip(batch.records, batch.group_starts(), batch.group_sizes):
+            outcomes = [batch.correct[i] for i in range(start, start + size) if i in firsts]
+            seen.append((record["id"], sum(outcomes) / len(outcomes)))
+    table = dict(progress.prompt_accuracy)
+    for rank_seen in gather(seen, run.world):
+        for prompt_id, accuracy in rank_seen:
+            dapo.update_accuracy(table, prompt_id, accuracy)
+    return table
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+def save_checkpoint(run, progress):
+    """checkpoint.pt, written whole before it replaces the last one, which stays as
+    checkpoint-previous.pt. Each rank's own state (RNGs, data position, carried groups) is
+    gathered; rank 0 writes."""
+    per_rank = gather({"rng": runs.rng_state(), "variant_rng": run.variant_rng.getstate(),
+                       "data": run.stream.state_dict(),
+                       "carry": dataclasses.asdict(progress.carry) if progress.carry else None},
+                      run.world)
+    weights = {"model": run.policy.state_dict(), "optimizer": run.optimizer.state_dict()} \
+        if not run.args.fsdp else {"shards": sharding.save_shards(run.args.out, progress.step,
+                                                                  run.policy, run.optimizer)}
+    if run.rank == 0:
+        runs.save_checkpoint(run.args.out, {
+            **weights, "per_rank": per_rank, "progress": {
+                f.name: getattr(progress, f.name) for f in dataclasses.fields(progress) if f.name != "carry"}})
+        if run.args.fsdp:
+            sharding.drop_shards(run.args.out, keep=runs.checkpoint_values(run.args.out, "shards"))
+
+
+def load_checkpoint(run):
+    """The run's state at its last checkpoint -> (Progress, this rank's carried groups as the
+    fields of a Rollouts, or None); a fresh Progress if there is no checkpoint yet."""
+    try:
+        state = runs.load_checkpoint(run.args.out)
+    except runs.RunError as error:
+        sys.exit(f"train.py: --resume: {error}")
+    if state is None:  # killed before its first checkpoint: start over
+        return Progress(), None
+    if "progress" not in state:
+        sys.exit(f"train.py: --resume: {run.args.out} was written by an older train.py; start anew")
+    if ("shards" in state) != run.args.fsdp:
+        sys.exit(f"train.py: --resume: {run.args.out} was written "
+                 f"{'with' if 'shards' in state else 'without'} --fsdp; resume it the same way")
+    if run.args.fsdp:
+        sharding.load_shards(run.args.out, state["shards"], run.policy, run.optimizer)
+    else:
+        run.policy.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+    # A run resumed on more ranks than it had: new ranks take rank 0's data position and RNGs,
+    # no carried groups, and their own fresh variant RNG (on fewer ranks, the missing ranks'
+    # carried groups are dropped: they were surplus).
+    per_rank = state["per_rank"]
+    mine = per_rank[run.rank] if run.rank < len(per_rank) else \
+        {**per_rank[0], "carry": None, "variant_rng": None}
+    runs.set_rng_state(mine["rng"])
+    run.stream.load_state_dict(mine["data"])
+    if mine["variant_rng"] is not None:
+        run.variant_rng.setstate(runs.as_random_state(mine["variant_rng"]))
+    refresh_sampler(run)
+    return Progress(**state["progress"]), mine["carry"]
+
+
+# ---- held-out evaluation and the end of a run ----------------------------------------------------
+
+@torch.no_grad()
+def heldout_accuracy(run, samples=1, temperature=0.0, top_p=1.0, rows_per_call=64):
+    """Mean accuracy of `samples` episodes of each held-out problem: greedy pass@1, or avg@k at
+    a temperature as DAPO reports (eval.py also reports pass@k and maj@k). -> (accuracy, mean
+    length of a turn, truncated fraction of turns)"""
+    args, tokenizer = run.args, run.tokenizer
+    first_prompts = [data.format_prompt(episodes.next_turn(r, 0), tokenizer, args.template)
+                     for r in run.heldout]
+    order = sorted(range(len(run.heldout)), key=lambda i: len(first_prompts[i]))  # less padding
+    right, length, truncated, turns = 0, 0, 0, 0
+    per_call = max(1, rows_per_call // samples)
+    for at in range(0, len(order), per_call):
+        rows = order[at:at + per_call]
+        played = episodes.play(run.sampler.eval(), tokenizer, [run.heldout[i] for i in rows],
+                               samples, at, template=args.template, max_new_tokens=args.max_new_tokens,
+                               temperature=temperature, top_p=top_p, stop_token_ids=run.stop_ids,
+                               compile=config.compile_choice(args))
+        for j, episode in enumerate(played):  # prompt-major: problem rows[j // samples]
+            right += verify.is_correct(episode[-1].text, run.heldout[rows[j // samples]]["answer"])
+            length += sum(len(t.completion.tokens) for t in episode)
+            truncated += sum(t.completion.finish_reason == "length" for t in episode)
+            turns += len(episode)
+    n = len(run.heldout) * samples
+    return right / n, length / max(1, turns), truncated / max(1, turns)
+
+
+def evaluate_and_log(run, progress):
+    """Held-out accuracy, greedy (and avg@k with --eval-samples), into eval.jsonl."""
+    args, started = run.args, time.perf_counter()
+    accuracy, length, truncated = heldout_accuracy(run)
+    result = {"pass@1": accuracy, "n": len(run.heldout), "mean_length": length, "truncated": truncated}
+    if args.eval_samples:
+        result["avg@k"], _, _ = heldout_accuracy(run, args.eval_samples, args.eval_temperature,
+                                                  args.eval_top_p)
+        result["k"] = args.eval_samples
+    sampled = f", avg@{args.eval_samples} {result['avg@k']:.3f}" if args.eval_samples else ""
+    print(f"step {progress.step}: held-out accuracy {accuracy:.3f}{sampled} on {result['n']} "
+          f"problems ({time.perf_counter() - started:.0f} s)", flush=True)
+    runs.append_line(os.path.join(run.args.out, "eval.jsonl"),
+                     {"step": progress.step, "train_seconds": progress.train_seconds, **result})
+    return result
+
+
+def log_step(run, progress, row, examples, bar):
+    """Rank 0 after a step: its row into metrics.jsonl, a few completions into samples.jsonl, the
+    progress bar, and the held-out evaluation every --eval-every steps."""
+    args = run.args
+    runs.append_line(os.path.join(args.out, "metrics.jsonl"), row)
+    for line in examples:
+        runs.append_line(os.path.join(args.out, "samples.jsonl"), line)
+    bar.update(1)
+    limit = f"/{args.time_limit:g}" if args.time_limit else ""
+    bar.set_postfix_str(f"acc {row['accuracy']:.2f} kept {row['groups_kept']}/{row['groups_sampled']} "
+                        f"len {row['response_length']:.0f} | {progress.train_seconds / 60:.1f}{limit} min")
+    if run.heldout and args.eval_every and progress.step % args.eval_every == 0:
+        evaluate_and_log(run, progress)
+
+
+def finish(run, progress):
+    """The held-out accuracy at the end (unless just measured), final/ (the trained weights), and
+    a summary line. Every rank calls it (under FSDP they gather the weights together); rank 0
+    writes."""
+    final = sharding.gathered_model(run.policy, run.sampler) if run.args.fsdp else run.policy
+    if run.rank != 0:
+        return
+    args, evals = run.args, []
+    if run.heldout:
+        evals = runs.read_lines(os.path.join(args.out, "eval.jsonl"))
+        if not evals or evals[-1]["step"] != progress.step:
+            evals.append({"step": progress.step, **evaluate_and_log(run, progress)})
+    save_model(final, run.tokenizer, os.path.join(args.out, "final"))
+    summary = {"out": args.out, "steps": progress.step, "updates": progress.updates,
+               "train_minutes": round(progress.train_seconds / 60, 2),
+               "skipped_updates": progress.skipped_updates}
+    if evals:
+        summary.update(heldout_before=evals[0]["pass@1"], heldout_after=evals[-1]["pass@1"])
+    print(json.dumps(summary), flush=True)
+
+
+def peak_memory_mib(args):
+    """This step's peak of allocated GPU memory, or on the CPU the process's peak resident set
+    so far (the system keeps no per-step peak there), in MiB."""
+    if args.device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def sample_lines(run, batch, step):
+    """A few of the step's completions with their rewards and advantages, for samples.jsonl:
+    what the model actually says as it learns. (When every group was dropped, the first round's,
+    whose advantages are all 0.)"""
+    starts = batch.group_starts()
+    lines = []
+    for i in range(min(run.args.log_samples, len(batch.tokens))):
+        group = max(g for g, start in enumerate(starts) if start <= i)
+        lines.append({"step": step, "turn": batch.turn[i] if batch.turn else 0,
+                      "prompt": batch.records[group]["prompt"],
+                      "answer": batch.records[group]["answer"],
+                      "completion": run.tokenizer.decode(batch.tokens[i], skip_special_tokens=True),
+                      "reward": batch.rewards[i],
+                      "advantage": batch.advantages[i] if batch.advantages else 0.0,
+                      "truncated": batch.truncated[i], **batch.reward_parts[i]})
+    return lines
