@@ -64,9 +64,6 @@ def run_flags(g):
     g.add_argument("--time-limit", type=float, default=20.0,
                    help="minutes of training (evaluation excluded); 0 = no limit")
     g.add_argument("--bench", action="store_true", help="time a few steps and exit")
-    g.add_argument("--plot", metavar="RUN_DIR", nargs="+", default=None,
-                   help="only draw RUN_DIR/curve.png; with several run directories, compare them "
-                        "(comparison.png and a markdown table; needs matplotlib)")
     g.add_argument("--checkpoint-minutes", type=float, default=5.0,
                    help="minutes between checkpoints (one is also written at the end)")
     g.add_argument("--checkpoint-every", type=int, default=0,
@@ -74,7 +71,7 @@ def run_flags(g):
     g.add_argument("--log-samples", type=int, default=4,
                    help="completions written to samples.jsonl each step, with their rewards")
     g.add_argument("--label", default=None,
-                   help="this run's name in --plot comparisons (default: its preset)")
+                   help="this run's name in comparisons, python runs.py (default: its preset)")
 
 def model_flags(g):
     g.add_argument("--model", default=None,
@@ -235,7 +232,7 @@ def read_saved_config(run_dir, parser):
     except runs.RunError as error:
         parser.error(f"--resume: {error}")
     known = {a.dest for a in parser._actions}
-    return {k: v for k, v in saved.items() if k in known and k not in ("resume", "plot", "bench")}
+    return {k: v for k, v in saved.items() if k in known and k not in ("resume", "bench")}
 
 
 # Every numeric flag: what it must be (checked after the preset and config.json are merged in).

@@ -611,6 +611,16 @@ class ArithmeticTask:
         self.level = int(state["level"])
 
 
+def curriculum_step(source, accuracy_ema, accuracy, threshold):
+    """The training accuracy's moving average after a step; past `threshold` (--curriculum, 0:
+    off) the arithmetic task gets harder and the average restarts at half of it."""
+    ema = accuracy if accuracy_ema is None else 0.8 * accuracy_ema + 0.2 * accuracy
+    if threshold and isinstance(source, ArithmeticTask) and ema > threshold:
+        source.harder()  # the task never runs out of headroom
+        ema = 0.5 * threshold
+    return ema
+
+
 # ----------------------------------------------------------------------------------------------
 # Variants for adversarial dynamic sampling
 

@@ -391,6 +391,21 @@ def check_out_path(parser, args):
         parser.error(f"argument --out: cannot write in {folder}: {error.strerror or error}")
 
 
+def load_eval_records(parser, args):
+    """--data's records, before the model loads; a bad name or file is a usage error."""
+    looks_like_path = os.sep in args.data or args.data.endswith(data.FILE_EXTENSIONS)
+    if looks_like_path and not os.path.exists(args.data):
+        parser.error(f"argument --data: no such file: {args.data}")
+    try:
+        records = data.load_records(args.data, split=args.split, limit=args.limit)
+    except data.DataError as error:
+        parser.error(f"argument --data: {error}")
+    if args.limit is not None and len(records) < args.limit:
+        print(f"eval.py: note: {args.data} has only {len(records)} problems (--limit {args.limit})",
+              file=sys.stderr)
+    return records
+
+
 def main(argv=None):
     parser, args = parse_args(argv)
     template = args.template or default_template(args.data)
@@ -403,17 +418,7 @@ def main(argv=None):
         parser.error(f"argument --device: {args.device}: CUDA is not available on this machine")
     dtype = resolve_dtype(args.dtype, device)
 
-    # Data first: a bad name or file fails in a second, before the model loads.
-    looks_like_path = os.sep in args.data or args.data.endswith(data.FILE_EXTENSIONS)
-    if looks_like_path and not os.path.exists(args.data):
-        parser.error(f"argument --data: no such file: {args.data}")
-    try:
-        records = data.load_records(args.data, split=args.split, limit=args.limit)
-    except data.DataError as error:
-        parser.error(f"argument --data: {error}")
-    if args.limit is not None and len(records) < args.limit:
-        print(f"eval.py: note: {args.data} has only {len(records)} problems (--limit {args.limit})",
-              file=sys.stderr)
+    records = load_eval_records(parser, args)  # first: a bad name or file fails in a second
 
     load_start = time.perf_counter()
     try:

@@ -229,7 +229,7 @@ def open_run_directory(run, progress):
     again), the step-0 evaluation too if no checkpoint was written yet."""
     args = run.args
     runs.write_config(args.out, {k: v for k, v in vars(args).items()
-                                 if k not in ("device", "resume", "bench", "plot")})
+                                 if k not in ("device", "resume", "bench")})
     runs.trim_log(os.path.join(args.out, "metrics.jsonl"), progress.step)
     runs.trim_log(os.path.join(args.out, "samples.jsonl"), progress.step)
     runs.trim_log(os.path.join(args.out, "eval.jsonl"), progress.step if progress.step else -1)

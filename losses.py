@@ -14,38 +14,13 @@ Imports only torch and the standard library, so any function here can be copied 
     gkl_per_token(logits, ref_logits, ...)             the same, per position, unaggregated
     dpo_loss(pi_chosen, pi_rejected, ref_chosen, ...)  DPO (Rafailov et al. 2023) -> (loss, stats)
 
-THE RULE OF THIS FILE: every divisor can be given globally.
-------------------------------------------------------------
-Every aggregation mode is a weighted sum over loss tokens,
+Every aggregation takes its divisors from the whole mini-batch over micro-batches and ranks
+(`micro_batch_divisors`), so that the sum of the micro-batch losses and gradients is the
+mini-batch's, exactly, however it was split (the README's "Exact under any split" explains why).
+Positions with mask 0 never touch a loss or its gradient, even if they hold inf or NaN; a
+non-finite value at a counted position gives a non-finite loss, for the trainer to see.
 
-    loss = sum_{i,t} w_{i,t} * l_{i,t},
-
-where the weight w_{i,t} depends only on numbers of the WHOLE mini-batch (its token count, its
-sequence count, a group's token count, a constant length budget) and on row i's own tokens (its
-length). Pass those numbers in (`num_tokens`, `num_seqs`, `max_tokens`, `group_token_counts`,
-`num_groups`) and split the mini-batch into micro-batches and ranks any way you like, with uneven
-sequence and token counts: the SUM of the micro-batch losses, and of their gradients, equals the
-loss and gradient of the whole mini-batch in one piece, exactly (to rounding). Left out, each
-divisor defaults to the value in the tensors at hand, which is exact only for the whole mini-batch.
-
-    divisors = micro_batch_divisors([mb["mask"] for mb in micro_batches],
-                                    [mb["group_ids"] for mb in micro_batches],   # or None
-                                    max_tokens=max_new_tokens, distributed=world_size > 1)
-    for mb, div in zip(micro_batches, divisors):
-        loss, stats = policy_loss(mb["logp"], mb["old_logp"], mb["adv"], mb["mask"],
-                                  agg=args.loss_agg, **div)
-        (loss * world_size).backward()   # DDP AVERAGES gradients over ranks; the global divisors
-                                         # already give each rank its share of the global SUM,
-                                         # so undo the average (or all-reduce SUM by hand)
-    optimizer.step()
-
-(Frameworks that divide each micro-batch by its own token count and then average micro-batches
-weight a short micro-batch's tokens more than a long one's: the update then depends on how the
-batch was split. That is the bug this rule removes.)
-
-Masking: positions with mask 0 never touch a loss or its gradient, even if they hold inf or NaN
-(padding often holds garbage). A non-finite value at a counted position gives a non-finite loss:
-nothing here hides it, so the trainer can detect it and skip the step.
+    python -m pytest tests/test_losses.py -q
 """
 
 from __future__ import annotations
@@ -118,24 +93,30 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mea
             max_tokens = per_token.shape[-1]
         return per_token.sum() / (_as_divisor(num_seqs, per_token) * _as_divisor(max_tokens, per_token))
     if agg == "group-token-mean":
-        if group_token_counts is None:
-            if group_ids is None:
-                raise ValueError("agg='group-token-mean' needs group_ids or group_token_counts")
-            group_ids = torch.as_tensor(group_ids, device=per_token.device).long()  # (B,)
-            _, row_group = torch.unique(group_ids, return_inverse=True)    # (B,) in 0..K-1
-            totals = torch.zeros(int(row_group.max()) + 1 if row_group.numel() else 0,
-                                 dtype=per_token.dtype, device=per_token.device)
-            totals.index_add_(0, row_group, seq_tokens)                    # (K,)
-            group_token_counts = totals[row_group]                         # (B,)
-            if num_groups is None:
-                num_groups = (totals > 0).sum().clamp(min=1)
-        elif num_groups is None:
-            raise ValueError("pass num_groups together with group_token_counts")
-        counts = _as_divisor(group_token_counts, per_token)               # (B,)
-        row_weight = torch.where(counts > 0, 1.0 / (counts.clamp(min=1) * _as_divisor(num_groups, per_token)),
-                                 torch.zeros_like(counts))                # (B,)
-        return (per_token.sum(-1) * row_weight).sum()
+        return _group_token_mean(per_token, seq_tokens, group_ids, group_token_counts, num_groups)
     raise ValueError(f"unknown agg {agg!r}; expected one of {AGGREGATIONS} or 'none'")
+
+
+
+def _group_token_mean(per_token, seq_tokens, group_ids, group_token_counts, num_groups):
+    """aggregate's "group-token-mean": per_token (B, T) masked, seq_tokens (B,) |o_i|."""
+    if group_token_counts is None:
+        if group_ids is None:
+            raise ValueError("agg='group-token-mean' needs group_ids or group_token_counts")
+        group_ids = torch.as_tensor(group_ids, device=per_token.device).long()  # (B,)
+        _, row_group = torch.unique(group_ids, return_inverse=True)    # (B,) in 0..K-1
+        totals = torch.zeros(int(row_group.max()) + 1 if row_group.numel() else 0,
+                             dtype=per_token.dtype, device=per_token.device)
+        totals.index_add_(0, row_group, seq_tokens)                    # (K,)
+        group_token_counts = totals[row_group]                         # (B,)
+        if num_groups is None:
+            num_groups = (totals > 0).sum().clamp(min=1)
+    elif num_groups is None:
+        raise ValueError("pass num_groups together with group_token_counts")
+    counts = _as_divisor(group_token_counts, per_token)               # (B,)
+    row_weight = torch.where(counts > 0, 1.0 / (counts.clamp(min=1) * _as_divisor(num_groups, per_token)),
+                             torch.zeros_like(counts))                # (B,)
+    return (per_token.sum(-1) * row_weight).sum()
 
 
 def micro_batch_divisors(masks, group_ids=None, *, max_tokens=None, distributed: bool = False,
@@ -244,22 +225,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         loss_t = -objective_t          (for A_t < 0 dual-clip caps loss_t at -c A_t)
 
     times `token_weights` (B, T) when given (no gradient: e.g. `tis_weights`), then aggregated by
-    `agg` (see `aggregate`). The divisor arguments num_tokens, num_seqs,
-    max_tokens, group_token_counts, num_groups (or group_ids) are those of the WHOLE mini-batch
-    across micro-batches and ranks: get them from `micro_batch_divisors` and pass `**divisors`;
-    then the sum of the micro-batch losses and gradients is the mini-batch's, exactly. Left out,
-    they default to this call's own counts (exact only when the call holds the whole mini-batch).
-    Pass fp32 log-probs (the ratio of two bf16 log-probs is coarse).
-
-    Returns (loss, stats); stats are 0-d detached tensors over this call's loss tokens:
-      clip_frac_low   A < 0 and r < 1 - eps_low   (clipped: no gradient)
-      clip_frac_high  A > 0 and r > 1 + eps_high  (clipped: no gradient)
-      clip_frac_dual  A < 0 and r > c             (dual-clipped: no gradient)
-      approx_kl       k3 estimate of KL(pi_old || pi_theta) (samples come from pi_old)
-      ratio_mean, ratio_max, tokens (the loss-token count here, to weight these stats across calls)
-
-    No clamp on log r: a log-ratio past ~88 overflows fp32 and gives a non-finite loss or gradient,
-    which the trainer's non-finite check catches (such a token means the policies diverged).
+    `agg` with the whole mini-batch's divisors (`**micro_batch_divisors(...)[k]`; left out, this
+    call's own counts). Pass fp32 log-probs (the ratio of two bf16 log-probs is coarse). No clamp
+    on log r: past ~88 it overflows fp32 and the trainer's non-finite check skips the update.
+    -> (loss, stats: `ratio_stats`)
     """
     if clip_c is not None and clip_c <= 1.0:
         raise ValueError(f"dual-clip needs c > 1, got {clip_c}")
@@ -288,29 +257,38 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     # min(inf, 1 + eps_high)); 0 * (sum of counted log-ratios) changes no finite value or gradient
     # but turns such an input into a NaN loss that the trainer sees.
     loss = loss + 0.0 * log_ratio.sum()
+    return loss, ratio_stats(ratio, advantages, active, logp, old_logp, eps_low, eps_high, clip_c)
 
-    with torch.no_grad():
-        count = active.sum()
-        n = count.clamp(min=1).to(logp.dtype)
 
-        def frac(flags):  # fraction of loss tokens where flags hold
-            return (flags & active).sum().to(logp.dtype) / n
+@torch.no_grad()
+def ratio_stats(ratio, advantages, active, logp, old_logp, eps_low, eps_high, clip_c=None):
+    """0-d tensors over the loss tokens (`active`, (B, T)):
+      clip_frac_low   A < 0 and r < 1 - eps_low   (clipped: no gradient)
+      clip_frac_high  A > 0 and r > 1 + eps_high  (clipped: no gradient)
+      clip_frac_dual  A < 0 and r > c             (dual-clipped: no gradient)
+      approx_kl       k3 estimate of KL(pi_old || pi_theta) (samples come from pi_old)
+      ratio_mean, ratio_max, tokens (the loss-token count, to weight these stats across calls)"""
+    count = active.sum()
+    n = count.clamp(min=1).to(logp.dtype)
 
-        negative, positive = advantages < 0, advantages > 0
-        stats = {
-            "clip_frac_low": frac(negative & (ratio < 1.0 - eps_low)),
-            "clip_frac_high": frac(positive & (ratio > 1.0 + eps_high)),
-            "clip_frac_dual": frac(negative & (ratio > clip_c)) if clip_c is not None
-            else torch.zeros((), dtype=logp.dtype, device=logp.device),
-            "approx_kl": torch.where(active, kl_estimate(old_logp.detach(), logp.detach(), "k3"),
-                                     torch.zeros_like(logp)).sum() / n,
-            "ratio_mean": torch.where(active, ratio, torch.zeros_like(ratio)).sum() / n,
-            # ratios are > 0, so padding set to 0 never wins; with no loss tokens this reads 0
-            "ratio_max": torch.where(active, ratio, torch.zeros_like(ratio)).max()
-            if ratio.numel() else torch.zeros((), dtype=logp.dtype, device=logp.device),
-            "tokens": count.to(logp.dtype),
-        }
-    return loss, stats
+    def frac(flags):  # fraction of loss tokens where flags hold
+        return (flags & active).sum().to(logp.dtype) / n
+
+    negative, positive = advantages < 0, advantages > 0
+    return {
+        "clip_frac_low": frac(negative & (ratio < 1.0 - eps_low)),
+        "clip_frac_high": frac(positive & (ratio > 1.0 + eps_high)),
+        "clip_frac_dual": frac(negative & (ratio > clip_c)) if clip_c is not None
+        else torch.zeros((), dtype=logp.dtype, device=logp.device),
+        "approx_kl": torch.where(active, kl_estimate(old_logp.detach(), logp.detach(), "k3"),
+                                 torch.zeros_like(logp)).sum() / n,
+        "ratio_mean": torch.where(active, ratio, torch.zeros_like(ratio)).sum() / n,
+        # ratios are > 0, so padding set to 0 never wins; with no loss tokens this reads 0
+        "ratio_max": torch.where(active, ratio, torch.zeros_like(ratio)).max()
+        if ratio.numel() else torch.zeros((), dtype=logp.dtype, device=logp.device),
+        "tokens": count.to(logp.dtype),
+    }
+
 
 
 # ---------------------------------------------------------------------------------------------

@@ -173,6 +173,15 @@ def xml_terms(response: str) -> dict[str, float]:
 # The reward
 
 
+def _term_on(term, **arguments):
+    """A shaping term is on when any argument but the first is given; then all are needed."""
+    on = any(value is not None for value in list(arguments.values())[1:])
+    missing = [name for name, value in arguments.items() if value is None]
+    if on and missing:
+        raise ValueError(f"{term} needs {', '.join(missing)}")
+    return on
+
+
 def math_reward(
     response: str,
     truth,
@@ -204,18 +213,10 @@ def math_reward(
     style = _format_style(format_style) if format_style is not None else None
     r_correct, r_wrong = _finite("correct", correct), _finite("wrong", wrong)
     w_format = _finite("format_weight", format_weight)
-    use_overlong = max_len is not None or cache_len is not None
-    if use_overlong:
-        missing = [n for n, v in (("length", length), ("max_len", max_len), ("cache_len", cache_len))
-                   if v is None]
-        if missing:
-            raise ValueError(f"the overlong penalty needs {', '.join(missing)}")
-    use_ppl = ppl_threshold is not None or ppl_window is not None
-    if use_ppl:
-        missing = [n for n, v in (("mean_nll", mean_nll), ("ppl_threshold", ppl_threshold),
-                                  ("ppl_window", ppl_window)) if v is None]
-        if missing:
-            raise ValueError(f"the perplexity penalty needs {', '.join(missing)}")
+    use_overlong = _term_on("the overlong penalty", length=length, max_len=max_len,
+                            cache_len=cache_len)
+    use_ppl = _term_on("the perplexity penalty", mean_nll=mean_nll, ppl_threshold=ppl_threshold,
+                       ppl_window=ppl_window)
 
     ok = is_correct(response, truth)
     # DAPO eq. 7: R(y_hat, y) = 1 if is_equivalent(y_hat, y) else -1

@@ -226,11 +226,7 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     counts, seeds = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p,
                                   top_k, check_every, seed)
     record = record_routing and model.config.num_experts > 0
-    if compile is None:
-        compile = compiled_by_default(model)
-    # An MoE groups tokens by expert with a host read (and recording routes is eager work).
-    step_fn = (compiled_step(model.device) if compile and model.config.num_experts == 0
-               and not record else decode_step)
+    step_fn = step_function(model, compile, record)
     check_every = check_every or (8 if model.device.type == "cuda" else 1)
 
     # 1. Prefill each prompt once, then give each of its samples a copy of its cache rows.
@@ -240,10 +236,7 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     keys = sample_keys(seeds, counts).to(device)  # (B,) each row's random stream
     tokens, logp = sample_tokens(logits, step_uniforms(keys, 0), temperature, top_p, top_k)
     tokens = tokens.clone()  # (B,) not a view: a compiled step would recompile for a view's base
-    out_tokens = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)  # (B, N_new)
-    out_logp = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)  # (B, N_new)
-    lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)  # (B,)
-    stopped = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
+    out_tokens, out_logp, lengths, stopped = output_buffers(B, max_new_tokens, device)
     stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     active = torch.arange(B, device=device)  # rows still in the batch (some may have stopped)
 
@@ -275,6 +268,25 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
             routes[active, prompt_len + step] = routing.stacked(model.config)[:, 0].short()
     return completions(prompts, row_prompt, out_tokens, out_logp, lengths, stopped, routes,
                        prompt_len)
+
+
+def step_function(model, compile, record):
+    """The decode step: through torch.compile where that is faster (compile None:
+    `compiled_by_default`), eager on an MoE (it groups tokens by expert with a host read) and
+    when recording routes (eager work)."""
+    if compile is None:
+        compile = compiled_by_default(model)
+    return compiled_step(model.device) if compile and model.config.num_experts == 0 \
+        and not record else decode_step
+
+
+def output_buffers(rows, max_new_tokens, device):
+    """What the decode loop fills: tokens (B, N_new), their log-probs (B, N_new), each row's
+    length (B,; the budget until it stops) and whether it stopped (B,)."""
+    return (torch.zeros(rows, max_new_tokens, dtype=torch.long, device=device),
+            torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device),
+            torch.full((rows,), max_new_tokens, dtype=torch.long, device=device),
+            torch.zeros(rows, dtype=torch.bool, device=device))
 
 
 def look_at_stops(stopped, active, compact_fraction):

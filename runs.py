@@ -7,7 +7,8 @@
     runs/NAME/final/                   the trained model (model.save_model)
     runs/NAME/run.lock                 who writes this run now (pid, host, since when)
 
-    python train.py --plot runs/NAME   # runs/NAME/curve.png
+    python runs.py runs/NAME           # its learning curve, runs/NAME/curve.png
+    python runs.py runs/A runs/B ...   # compared: comparison.png, comparison.md
 
 A checkpoint is written whole to a temporary file, read back, and only then renamed over the last
 one, which is kept as checkpoint-previous.pt: a crash at any moment leaves a complete checkpoint,
@@ -226,7 +227,7 @@ def plot(run_dirs):
     rows = read_lines(os.path.join(run_dir, "metrics.jsonl"))
     evals = read_lines(os.path.join(run_dir, "eval.jsonl"))
     if not rows:
-        sys.exit(f"train.py: --plot {run_dir}: no metrics.jsonl with a readable line there")
+        sys.exit(f"runs.py: {run_dir}: no metrics.jsonl with a readable line there")
     fig, ax = pyplot.subplots(figsize=(7, 4))
     ax.plot([r["train_seconds"] / 60 for r in rows], [r["accuracy"] for r in rows], ".", alpha=0.5,
             label="training samples")
@@ -250,7 +251,7 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as pyplot
     except ImportError:
-        sys.exit("train.py: --plot needs matplotlib (pip install matplotlib)")
+        sys.exit("runs.py: plotting needs matplotlib (pip install matplotlib)")
     return pyplot
 
 
@@ -276,7 +277,7 @@ def compare(run_dirs):
     try:
         loaded = [load_run(d) for d in run_dirs]
     except RunError as error:  # a log file or a missing folder among the arguments
-        sys.exit(f"train.py: --plot: {error}")
+        sys.exit(f"runs.py: {error}")
     labels = list(dict.fromkeys(run["label"] for run in loaded))
     colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
     fig, axes = pyplot.subplots(2, len(PANELS), figsize=(4 * len(PANELS), 7), squeeze=False)
@@ -345,3 +346,13 @@ def _mean_and_spread(values, fmt):
         return fmt.format(mean)
     spread = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
     return f"{fmt.format(mean)} +- {fmt.format(spread)}"
+
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(prog="runs.py", description="Draw a run's learning curve, or "
+                                     "compare several runs (needs matplotlib).")
+    parser.add_argument("run_dirs", metavar="RUN_DIR", nargs="+",
+                        help="one: RUN_DIR/curve.png; several: comparison.png and comparison.md "
+                             "beside them, one colour per --label")
+    plot(parser.parse_args().run_dirs)

@@ -39,20 +39,20 @@ import math
 import random
 import time
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
 import config
 import dapo
 import data
-import episodes
 import distributed
+import episodes
 import launch
 import losses
 import moe
 import reference
 import rewards
-import runs
 from distributed import add, all_reduce, gather, reduce_metrics, top
 from model import token_logprobs
 from moe import Routing
@@ -130,11 +130,24 @@ STAND_IN = Rollouts(records=[{}], group_sizes=[1], prompts=[[0]], tokens=[[0]],
                     reward_parts=[{}], stale=[True], advantages=[0.0], old_logprobs=[None])
 
 
+class Collected(NamedTuple):
+    """Steps 1-2 on this rank."""
+    kept: Rollouts     # the groups the update trains on
+    sampled: list      # every round's Rollouts as sampled (the metrics read them)
+    surplus: Rollouts  # kept groups beyond the batch, carried to the next step, or None
+    asked: int         # adversarial variants asked (--adversarial)
+
+
+class StepResult(NamedTuple):
+    progress: object   # launch.Progress after the step
+    row: dict          # its line of metrics.jsonl
+    samples: list      # a few of its completions, for samples.jsonl
+
+
 # ---- one training step --------------------------------------------------------------------------
 
 def train_step(run, progress):
-    """One training step, numbered as in the module docstring. -> (progress after it, its log row,
-    a few of its completions for samples.jsonl)"""
+    """One training step, numbered as in the module docstring. -> StepResult"""
     args = run.args
     for group in run.optimizer.param_groups:
         group["lr"] = lr_at(progress.step, args)
@@ -142,9 +155,9 @@ def train_step(run, progress):
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     with torch.no_grad():
-        kept, sampled, surplus, asked = collect_rollouts(run, progress)  # 1-2
+        collected = collect_rollouts(run, progress)                      # 1-2
     sampled_at = time.perf_counter()
-    batch = with_advantages(run, kept)                                   # 3
+    batch = with_advantages(run, collected.kept)                         # 3
     batch = with_old_logprobs(run, batch)                                # 4
     scored_at = time.perf_counter()
     run.policy.train()
@@ -154,24 +167,19 @@ def train_step(run, progress):
     end = time.perf_counter()
     seconds = {"rollout": sampled_at - start, "scoring": scored_at - sampled_at,
                "update": updated_at - scored_at, "refresh": end - updated_at}
-    row = step_metrics(run, progress, sampled, kept, surplus, asked,     # 6
-                       update_sums, {**update_maxima, "peak_memory_mib": launch.peak_memory_mib(args)},
-                       seconds)
+    row = step_metrics(run, progress, collected, update_sums,            # 6
+                       {**update_maxima, "peak_memory_mib": launch.peak_memory_mib(args)}, seconds)
 
-    ema = row["accuracy"] if progress.accuracy_ema is None else \
-        0.8 * progress.accuracy_ema + 0.2 * row["accuracy"]
-    if args.curriculum and isinstance(run.source, data.ArithmeticTask) and ema > args.curriculum:
-        run.source.harder()  # the task never runs out of headroom
-        ema = 0.5 * args.curriculum
-    row["accuracy_ema"] = ema
+    row["accuracy_ema"] = ema = data.curriculum_step(run.source, progress.accuracy_ema,
+                                                     row["accuracy"], args.curriculum)
     progress = replace(progress, step=progress.step + 1, updates=row["updates"],
                        train_seconds=progress.train_seconds + end - start, accuracy_ema=ema,
-                       skipped_updates=row["skipped_updates_total"], carry=surplus,
-                       prompt_accuracy=launch.shared_prompt_accuracy(run, progress, sampled)
+                       skipped_updates=row["skipped_updates_total"], carry=collected.surplus,
+                       prompt_accuracy=launch.shared_prompt_accuracy(run, progress, collected.sampled)
                        if args.adaptive_budget else {})
     row["train_seconds"] = progress.train_seconds
-    shown = batch if batch.tokens else (sampled or [batch])[0]  # every group dropped: round 1's
-    return progress, row, launch.sample_lines(run, shown, progress.step)
+    shown = batch if batch.tokens else (collected.sampled or [batch])[0]  # all dropped: round 1's
+    return StepResult(progress, row, samples=launch.sample_lines(run, shown, progress.step))
 
 
 # ---- 1-2: sample, reward, filter ----------------------------------------------------------------
@@ -261,7 +269,7 @@ def collect_rollouts(run, progress):
         batch = sample_and_reward(run, records, counts, seeds)
         sampled.append(batch)
         if not args.dynamic_sampling:
-            return batch, sampled, None, 0
+            return Collected(batch, sampled, surplus=None, asked=0)
         informative = dapo.keep_groups(batch.correct, batch.group_sizes).tolist()  # eq. 11
         kept.append(batch.select(g for g, keep in enumerate(informative) if keep))
         last_round = round_index + 1 == rounds or have + sum(informative) >= want
@@ -275,7 +283,7 @@ def collect_rollouts(run, progress):
     if args.keep_surplus and kept.num_groups > want:  # trained next step, off-policy
         surplus = kept.select(range(want, kept.num_groups))
         surplus = replace(surplus, stale=[True] * len(surplus.stale))
-    return kept.select(range(min(want, kept.num_groups))), sampled, surplus, asked
+    return Collected(kept.select(range(min(want, kept.num_groups))), sampled, surplus, asked)
 
 
 # ---- 3-4: advantages, old log-probs -------------------------------------------------------------
@@ -465,9 +473,9 @@ def update_means(args):
             "entropy"] + ["kl"] * (args.kl != "none") + ["tis_weight"] * bool(args.tis_cap)
 
 
-def step_metrics(run, progress, sampled, kept, surplus, asked, update_sums, update_maxima, seconds):
+def step_metrics(run, progress, collected, update_sums, update_maxima, seconds):
     """Step 6: the step's metrics as named sums (and maxima) over all ranks. -> the log row"""
-    args = run.args
+    args, (kept, sampled, surplus, asked) = run.args, collected
     done = Rollouts.concat(sampled) if sampled else STAND_IN.select([])
     lengths = [len(t) for t in done.tokens]  # (N,) per turn
     firsts = done.episode_starts()           # an episode's outcome, once
@@ -531,8 +539,6 @@ def step_metrics(run, progress, sampled, kept, surplus, asked, update_sums, upda
 
 def main(argv=None):
     args, explicit = config.parse_config(argv)
-    if args.plot:
-        return runs.plot(args.plot)
     if args.bench and "steps" not in explicit:
         args.steps = 3
     run = launch.setup(args)

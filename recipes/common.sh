@@ -67,8 +67,8 @@ run_study() {
         echo "failed (see DIR.log; run the recipe again to resume): ${failed[*]}" >&2
         return 1
     fi
-    echo "+ $python train.py --plot ${dirs[*]}"
-    [ -n "${DRY_RUN:-}" ] || $python train.py --plot "${dirs[@]}"
+    echo "+ $python runs.py ${dirs[*]}"
+    [ -n "${DRY_RUN:-}" ] || $python runs.py "${dirs[@]}"
 }
 
 # Until fewer than $1 runs are running: run_study's `running` (pid -> run directory) loses each run

@@ -516,4 +516,6 @@ def test_modules_import_only_torch_and_the_standard_library():
                 continue
             for root in roots:
                 assert root == "torch" or root == "__future__" or root in sys.stdlib_module_names, (name, root)
-    assert losses.__doc__ and "every divisor can be given globally" in losses.__doc__
+    # the rule every aggregation keeps is stated where a reader meets it, and explained in the README
+    assert losses.__doc__ and "whole mini-batch" in losses.__doc__ and "micro_batch_divisors" in losses.__doc__
+    assert "### Exact under any split" in (ROOT / "README.md").read_text()

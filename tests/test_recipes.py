@@ -35,7 +35,7 @@ def test_every_command_of_a_recipe_parses(name, size, tmp_path):
     commands = [line[2:] for line in proc.stdout.splitlines() if line.startswith("+ ")]
     runs = [c for c in commands if "--preset" in c]
     assert len(runs) == 3 * RECIPES[name]  # every arm, three seeds
-    assert ("torchrun" in runs[0]) == (size == "gpu") and commands[-1].count("--plot") == 1
+    assert ("torchrun" in runs[0]) == (size == "gpu") and commands[-1].split()[1] == "runs.py"
     for command in runs:
         argv = shlex.split(command)
         config.parse_config(argv[argv.index("train.py") + 1:])  # a bad flag exits here
@@ -73,7 +73,7 @@ def test_runs_two_at_a_time_each_with_its_log(tmp_path):
     failing = recipe("grpo-vs-dpo.sh", tmp_path / "failing", ARMS="grpo", SEEDS="0 1", JOBS="2",
                      LAUNCH="false")
     assert failing.returncode == 1 and "grpo-s0" in failing.stderr and "grpo-s1" in failing.stderr
-    assert "--plot" not in failing.stdout
+    assert "runs.py" not in failing.stdout
 
 
 @pytest.mark.slow
@@ -105,7 +105,7 @@ def test_a_recipe_runs_end_to_end_at_a_tiny_size(name, size, tmp_path):
 
 def test_the_readme_table_is_what_the_committed_logs_give():
     """The GRPO-against-DPO grid's logs are committed (assets/grpo-vs-dpo-cpu/): the table that
-    `train.py --plot` makes of them is the README's, row for row."""
+    `python runs.py` makes of them is the README's, row for row."""
     import runs
     run_dirs = sorted((ROOT / "assets" / "grpo-vs-dpo-cpu").glob("*-s?"))
     assert len(run_dirs) == 3 * RECIPES["grpo-vs-dpo.sh"]
