@@ -164,9 +164,17 @@ def algorithm_flags(g):
                    help="advantage estimator")
     g.add_argument("--loss-agg", default="token-mean", choices=list(losses.AGGREGATIONS),
                    help="loss aggregation")
-    g.add_argument("--eps-low", type=float, default=0.2, help="lower clip range")
+    g.add_argument("--objective", default="clip", choices=list(losses.OBJECTIVES),
+                   help="the policy-gradient surrogate: DAPO's clipped ratio, or GSPO, CISPO, "
+                        "GMPO, SAPO (README: the objectives)")
+    g.add_argument("--eps-low", type=float, default=0.2,
+                   help="lower clip range (GMPO: in log space; CISPO: 1 = no lower bound)")
     g.add_argument("--eps-high", type=float, default=0.28, help="upper clip range (clip-higher)")
     g.add_argument("--clip-c", type=float, default=None, help="dual-clip constant (None = off)")
+    g.add_argument("--sapo-tau-pos", type=float, default=1.0,
+                   help="SAPO: the gate's temperature where the advantage is positive")
+    g.add_argument("--sapo-tau-neg", type=float, default=1.05,
+                   help="SAPO: the gate's temperature where it is not")
     g.add_argument("--tis-cap", type=float, default=0.0,
                    help="truncated importance sampling: weight tokens by min(pi_old / "
                         "pi_sampler, C) (0 = off)")
@@ -216,6 +224,8 @@ def parse_config(argv=None):
     for key, value in saved.items():
         if key not in explicit:
             setattr(args, key, value)
+    if args.objective != "clip" and "clip_c" not in explicit:
+        args.clip_c = None  # a preset's dual-clip belongs to the clipped ratio it replaces
     if args.ppl_penalty != "off":  # in place of the overlong punishment, or beside it
         beside = args.ppl_penalty == "beside"
         if "overlong_penalty" in explicit and args.overlong_penalty != beside:
@@ -242,7 +252,7 @@ NONNEGATIVE_INTS = ["seed", "checkpoint_every", "lora_rank", "eval_every", "max_
                     "warmup_steps", "eval_samples", "log_samples"]
 POSITIVE_FLOATS = ["checkpoint_minutes", "lora_alpha", "temperature", "overlong_cache", "eval_temperature",
                    "ppl_window", "gkl_gamma", "gkl_temperature", "gkl_weight_temperature",
-                   "dpo_beta", "lr", "grad_clip"]
+                   "dpo_beta", "lr", "grad_clip", "sapo_tau_pos", "sapo_tau_neg"]
 NONNEGATIVE_FLOATS = ["time_limit", "format_weight", "ppl_threshold", "efficiency_weight",
                       "eps_high", "entropy_coef", "kl_coef", "gkl_alpha", "gkl_beta",
                       "weight_decay", "tis_cap", "router_aux_coef"]
@@ -287,6 +297,9 @@ def check_config(args, parser):
         if getattr(args, key) and not refills:
             parser.error(f"--{key.replace('_', '-')} acts in refill rounds: it needs "
                          f"--dynamic-sampling and --max-refills >= 1 (got {args.max_refills})")
+    if args.objective != "clip" and (args.clip_c is not None or args.algo == "dpo"):
+        parser.error(f"--objective {args.objective} replaces the clipped ratio of --algo pg: "
+                     "leave --clip-c (dual-clip) unset and --algo at pg")
     if args.algo == "dpo" and str(args.data).startswith("memory"):
         parser.error("--algo dpo pairs single completions; the memory task's episodes have "
                      "several turns: use a policy-gradient preset (dapo-memory)")
@@ -302,7 +315,9 @@ def check_config(args, parser):
 
 def range_rules(args):
     """(flag, holds, what it must be) for the flags whose range is not just > 0 or >= 0."""
-    return [("eps_low", 0 <= args.eps_low < 1, "in [0, 1)"),
+    eps_low_top = {"gmpo": math.inf, "cispo": 1.0}.get(args.objective)  # GMPO: log space
+    return [("eps_low", 0 <= args.eps_low < 1 if eps_low_top is None else 0 <= args.eps_low <= eps_low_top,
+             "in [0, 1)" if eps_low_top is None else f"in [0, {eps_low_top:g}]"),
             ("clip_c", args.clip_c is None or args.clip_c > 1, "> 1 (dual-clip) or unset"),
             ("top_p", 0 < args.top_p <= 1, "in (0, 1]"),
             ("eval_top_p", 0 < args.eval_top_p <= 1, "in (0, 1]"),
@@ -329,3 +344,11 @@ def compile_choice(args):
     """--compile as rollout.generate's `compile`: None (auto, its own choice), True or False.
     Runs configured before the flag existed mean auto."""
     return {"auto": None, "on": True, "off": False}[getattr(args, "compile", "auto")]
+
+
+def objective_settings(args):
+    """losses.OBJECTIVES[args.objective]'s own keyword arguments under these flags."""
+    if args.objective == "sapo":
+        return {"tau_pos": args.sapo_tau_pos, "tau_neg": args.sapo_tau_neg}
+    clip = {"eps_low": args.eps_low, "eps_high": args.eps_high}
+    return {**clip, "clip_c": args.clip_c} if args.objective == "clip" else clip

@@ -318,7 +318,8 @@ def step_dpo_pairs(token_lists, rewards, group_size, step_sep_ids,
 
 PRESET_KEYS = {
     # algorithm
-    "algo", "adv_estimator", "loss_agg", "eps_low", "eps_high", "clip_c", "entropy_coef",
+    "algo", "adv_estimator", "loss_agg", "objective", "eps_low", "eps_high", "clip_c",
+    "sapo_tau_pos", "sapo_tau_neg", "entropy_coef",
     # reward
     "correct_reward", "wrong_reward", "overlong_filter", "overlong_penalty", "overlong_cache",
     "ppl_penalty", "ppl_threshold", "ppl_window", "efficiency_weight", "format_reward",
@@ -439,4 +440,20 @@ PRESETS: dict[str, dict] = {
     "dapo-memory": {**_DAPO, "data": "memory:pages=3,max=9,filler=2,ask=first", "max_new_tokens": 16,
                     "eval_limit": 50},
     "dapo-balanced": {**_DAPO, "efficiency_weight": 0.1},
+    # The objectives since DAPO (losses.OBJECTIVES), each in place of DAPO's clipped ratio with the
+    # rest of DAPO kept (dynamic sampling, overlong shaping, the updates per step), at its paper's
+    # clip range and aggregation.
+    # GSPO (arXiv 2507.18071, section 5.1): a sequence-level ratio clipped to [1 - 3e-4, 1 + 4e-4].
+    "gspo": {**_DAPO, "objective": "gspo", "eps_low": 3e-4, "eps_high": 4e-4, "clip_c": None,
+             "loss_agg": "seq-mean-token-mean"},
+    # CISPO (MiniMax-M1, arXiv 2506.13585): no lower bound on the weight; the upper 0.2 is verl's
+    # CISPO recipe (the paper tunes it and gives no value); token-level mean.
+    "cispo": {**_DAPO, "objective": "cispo", "eps_low": 1.0, "eps_high": 0.2, "clip_c": None,
+              "loss_agg": "token-mean"},
+    # GMPO (arXiv 2507.20673): token log-ratios clipped to [-0.4, 0.4], a mean over sequences.
+    "gmpo": {**_DAPO, "objective": "gmpo", "eps_low": 0.4, "eps_high": 0.4, "clip_c": None,
+             "loss_agg": "seq-mean-token-mean"},
+    # SAPO (arXiv 2511.20347): the smooth gate at tau 1.0 / 1.05, a mean over sequences.
+    "sapo": {**_DAPO, "objective": "sapo", "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05,
+             "clip_c": None, "loss_agg": "seq-mean-token-mean"},
 }

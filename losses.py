@@ -4,6 +4,8 @@ Imports only torch and the standard library, so any function here can be copied 
 
     policy_loss(logp, old_logp, advantages, mask, ...)  PPO/GRPO/DAPO clipped surrogate (clip-higher,
                                                        dual-clip), aggregated -> (loss, stats)
+    gspo_loss, cispo_loss, gmpo_loss, sapo_loss        the objectives since DAPO, same arguments
+                                                       (OBJECTIVES: by --objective name)
     tis_weights(old_logp, sampler_logp, cap)           truncated importance sampling weights
     aggregate(per_token, mask, agg, ...)               the four aggregation modes, with global divisors
     micro_batch_divisors(masks, group_ids, ...)        the global divisors of a mini-batch, computed
@@ -24,6 +26,8 @@ non-finite value at a counted position gives a non-finite loss, for the trainer 
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -289,6 +293,135 @@ def ratio_stats(ratio, advantages, active, logp, old_logp, eps_low, eps_high, cl
         "tokens": count.to(logp.dtype),
     }
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy objectives since DAPO: each replaces policy_loss's clipped surrogate, with the same
+# arguments (the divisors of the whole mini-batch, `token_weights`) and the same stats.
+# ---------------------------------------------------------------------------------------------
+
+def _sequence_advantages(advantages, logp, name):
+    if advantages.dim() != 1:
+        raise ValueError(f"{name} is defined with one advantage per sequence: pass (B,), got "
+                         f"{tuple(advantages.shape)}")
+    return advantages.to(logp.dtype)[:, None].expand_as(logp)           # (B, T)
+
+
+def gspo_loss(logp, old_logp, advantages, mask, *, eps_low=3e-4, eps_high=4e-4,
+              agg="seq-mean-token-mean", token_weights=None, **divisors):
+    """GSPO (arXiv 2507.18071): the importance ratio and its clip at the sequence level,
+
+        s_i = (pi_theta(o_i | q) / pi_old(o_i | q))^(1/|o_i|) = exp(1/|o_i| sum_t log r_it)
+        J = 1/G sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
+
+    written per token as GSPO-token does (s_it = sg[s_i] pi_theta(o_it) / sg[pi_theta(o_it)]):
+    the same value and, with one advantage per sequence, the same gradient, so the
+    divisors work as everywhere. The paper averages over sequences ("seq-mean-token-mean"); its
+    clip range is 3e-4 / 4e-4 (section 5.1). advantages: (B,). -> (loss, stats: `ratio_stats`
+    of s_i, so a clip fraction counts the tokens of clipped sequences)
+    """
+    active = mask != 0                                                   # (B, T)
+    advantages = _sequence_advantages(advantages, logp, "GSPO")          # (B, T)
+    log_ratio = torch.where(active, logp - old_logp, torch.zeros_like(logp))  # (B, T) log r_it
+    seq_log_ratio = log_ratio.sum(-1) / active.sum(-1).clamp(min=1)      # (B,) log s_i
+    token_log_ratio = logp - logp.detach() + seq_log_ratio.detach()[:, None]  # (B, T) value: log s_i
+    ratio = torch.exp(torch.where(active, token_log_ratio, torch.zeros_like(logp)))  # (B, T) s_it
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    per_token_loss = -torch.minimum(ratio * advantages, clipped)         # (B, T)
+    if token_weights is not None:
+        per_token_loss = per_token_loss * token_weights.detach()
+    # 0 * (counted log-ratios): a non-finite log-prob makes the loss non-finite (as policy_loss)
+    loss = aggregate(per_token_loss, mask, agg, **divisors) + 0.0 * log_ratio.sum()
+    return loss, ratio_stats(ratio, advantages, active, logp, old_logp, eps_low, eps_high)
+
+
+def cispo_loss(logp, old_logp, advantages, mask, *, eps_low=1.0, eps_high=0.2, agg="token-mean",
+               token_weights=None, **divisors):
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update,
+
+        J = 1/sum_i |o_i| sum_i sum_t sg(clip(r_it, 1 - eps_low, 1 + eps_high)) A_it log pi_theta(o_it)
+
+    so every token keeps a gradient (PPO's clip drops the tokens whose ratio left the range).
+    The paper sets no lower bound (eps_low 1.0: the weight only stays >= 0) and tunes only the
+    upper one (0.2, verl's CISPO recipe); token-level mean as DAPO's. -> (loss, stats; the clip
+    fractions count weights cut at either bound, whatever the advantage's sign)
+    """
+    active = mask != 0
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    advantages = advantages.to(logp.dtype).expand_as(logp)              # (B, T)
+    log_ratio = torch.where(active, logp - old_logp, torch.zeros_like(logp))
+    ratio = torch.exp(log_ratio)                                         # (B, T) r_it
+    weight = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high).detach()  # (B, T) sg(clip(r))
+    per_token_loss = -weight * advantages * torch.where(active, logp, torch.zeros_like(logp))
+    if token_weights is not None:
+        per_token_loss = per_token_loss * token_weights.detach()
+    loss = aggregate(per_token_loss, mask, agg, **divisors) + 0.0 * log_ratio.sum()
+    stats = ratio_stats(ratio, advantages, active, logp, old_logp, eps_low, eps_high)
+    n = active.sum().clamp(min=1).to(logp.dtype)
+    stats["clip_frac_low"] = ((ratio < 1.0 - eps_low) & active).sum().to(logp.dtype) / n
+    stats["clip_frac_high"] = ((ratio > 1.0 + eps_high) & active).sum().to(logp.dtype) / n
+    return loss, {name: value.detach() for name, value in stats.items()}
+
+
+def gmpo_loss(logp, old_logp, advantages, mask, *, eps_low=0.4, eps_high=0.4,
+              agg="seq-mean-token-mean", token_weights=None, **divisors):
+    """GMPO (arXiv 2507.20673): the geometric mean of a sequence's token ratios in place of
+    the arithmetic mean, each clipped in log space (to [e^-eps_low, e^eps_high], the paper's 0.4):
+
+        J = 1/G sum_i A_i exp(1/|o_i| sum_t sgn(A_i) min(sgn(A_i) log r_it,
+                                                          sgn(A_i) clip(log r_it, -eps_low, eps_high)))
+
+    (for A_i > 0 a token's log-ratio is capped at eps_high, for A_i < 0 floored at -eps_low: the
+    pessimistic side, as PPO's min). One value per sequence, given to each of its tokens, so the
+    paper's mean over sequences is "seq-mean-token-mean". advantages: (B,). -> (loss, stats; the
+    clip fractions count clipped tokens, in ratio space)
+    """
+    active = mask != 0
+    advantages = _sequence_advantages(advantages, logp, "GMPO")          # (B, T)
+    log_ratio = torch.where(active, logp - old_logp, torch.zeros_like(logp))  # (B, T)
+    sign = torch.sign(advantages)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(-eps_low, eps_high))
+    mean_log = (pessimistic * active).sum(-1) / active.sum(-1).clamp(min=1)  # (B,) log of the mean
+    per_token_loss = -advantages * torch.exp(mean_log)[:, None]          # (B, T), one value a row
+    if token_weights is not None:
+        per_token_loss = per_token_loss * token_weights.detach()
+    loss = aggregate(per_token_loss, mask, agg, **divisors) + 0.0 * log_ratio.sum()
+    ratio = torch.exp(log_ratio)
+    return loss, ratio_stats(ratio, advantages, active, logp, old_logp,
+                             1.0 - math.exp(-eps_low), math.exp(eps_high) - 1.0)
+
+
+def sapo_loss(logp, old_logp, advantages, mask, *, tau_pos=1.0, tau_neg=1.05,
+              agg="seq-mean-token-mean", token_weights=None, **divisors):
+    """SAPO (arXiv 2511.20347): a smooth gate in place of the hard clip,
+
+        f(r) = 4 / tau * sigmoid(tau (r - 1)),   J = 1/G sum_i 1/|o_i| sum_t f(r_it) A_it,
+        tau = tau_pos where A > 0, tau_neg where A <= 0   (1.0 and 1.05: the paper's, verl's)
+
+    whose gradient, 4 sigmoid (1 - sigmoid) r grad log pi, is the policy gradient at r = 1 and
+    fades smoothly as r leaves 1, faster for negative advantages. -> (loss, stats; no clipping:
+    its clip fractions are 0)
+    """
+    active = mask != 0
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    advantages = advantages.to(logp.dtype).expand_as(logp)              # (B, T)
+    log_ratio = torch.where(active, logp - old_logp, torch.zeros_like(logp))
+    ratio = torch.exp(log_ratio)                                         # (B, T)
+    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)              # (B, T) f(r)
+    per_token_loss = -gate * advantages
+    if token_weights is not None:
+        per_token_loss = per_token_loss * token_weights.detach()
+    loss = aggregate(per_token_loss, mask, agg, **divisors) + 0.0 * log_ratio.sum()
+    stats = ratio_stats(ratio, advantages, active, logp, old_logp, math.inf, math.inf)
+    return loss, stats
+
+
+# --objective: the surrogate the policy-gradient update minimises (policy_loss is DAPO's).
+OBJECTIVES = {"clip": policy_loss, "gspo": gspo_loss, "cispo": cispo_loss, "gmpo": gmpo_loss,
+              "sapo": sapo_loss}
 
 
 # ---------------------------------------------------------------------------------------------

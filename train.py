@@ -435,9 +435,9 @@ def policy_gradient_loss(run, mb, divisors):
                                    entropy_grad=args.entropy_coef > 0, hidden=hidden)  # (b, C)
     old = torch.where(mb.has_old[:, None], mb.old, logp.detach())  # (b, C) pi_old
     weights = losses.tis_weights(old, mb.sampler, args.tis_cap) if args.tis_cap else None
-    loss, stats = losses.policy_loss(logp, old, mb.advantages, mask, eps_low=args.eps_low,
-                                     eps_high=args.eps_high, clip_c=args.clip_c, agg=args.loss_agg,
-                                     token_weights=weights, **divisors)
+    objective = losses.OBJECTIVES[args.objective]  # DAPO's clipped ratio (eq. 10), or GSPO, ...
+    loss, stats = objective(logp, old, mb.advantages, mask, agg=args.loss_agg, token_weights=weights,
+                            **config.objective_settings(args), **divisors)
     if args.entropy_coef:
         loss = loss - args.entropy_coef * losses.aggregate(entropy, mask, args.loss_agg, **divisors)
     tokens = float(stats["tokens"])

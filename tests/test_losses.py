@@ -338,8 +338,17 @@ def _micro_loss(mb, weight, ref_weight, loss_kind, agg, **divisors):
                         chunk_size=3, **divisors)[0]
     logp = torch.log_softmax(logits, -1).gather(-1, mb["tokens"][..., None])[..., 0]  # (b, T)
     old_logp = logp.detach() + mb["old_noise"]   # ratios spread over both clip edges
-    return policy_loss(logp, old_logp, mb["adv"], mb["mask"], eps_low=0.2, eps_high=0.28, clip_c=3.0,
-                       agg=agg, **divisors)[0]
+    settings = OBJECTIVE_SETTINGS.get(loss_kind, {"eps_low": 0.2, "eps_high": 0.28, "clip_c": 3.0})
+    objective = losses.OBJECTIVES["clip" if loss_kind == "policy" else loss_kind]
+    return objective(logp, old_logp, mb["adv"], mb["mask"], agg=agg, **settings, **divisors)[0]
+
+
+# Clip ranges that the toy ratios cross (the objectives' own defaults are too narrow for them).
+OBJECTIVE_SETTINGS = {"gspo": {"eps_low": 0.05, "eps_high": 0.08},
+                      "cispo": {"eps_low": 0.3, "eps_high": 0.2},
+                      "gmpo": {"eps_low": 0.3, "eps_high": 0.2},
+                      "sapo": {"tau_pos": 1.0, "tau_neg": 1.05}}
+LOSS_KINDS = ["policy", "gkl", "gspo", "cispo", "gmpo", "sapo"]
 
 
 def _loss_and_grad(split, loss_kind, agg, use_global_divisors=True, max_tokens=None):
@@ -370,7 +379,7 @@ def _whole_batch(loss_kind, agg):
 UNEVEN_SPLIT = [[0, 1, 2], [3], [4, 5, 6]]
 
 
-@pytest.mark.parametrize("loss_kind", ["policy", "gkl"])
+@pytest.mark.parametrize("loss_kind", LOSS_KINDS)
 @pytest.mark.parametrize("agg", AGGREGATIONS)
 def test_micro_batches_sum_to_the_mini_batch(loss_kind, agg):
     whole_loss, whole_grad = _whole_batch(loss_kind, agg)
@@ -412,7 +421,7 @@ def _dist_worker(rank, world_size, init_file, out_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     splits = {0: [[0, 1, 2], [3]], 1: [[4], [5, 6]]}     # rank 0: 4 rows 15 tokens; rank 1: 3 rows 13
     results = {}
-    for loss_kind in ("policy", "gkl"):
+    for loss_kind in LOSS_KINDS:
         for agg in AGGREGATIONS:
             rows, weight0, ref_weight = _rollouts()
             weight = weight0.clone().requires_grad_()
@@ -440,7 +449,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     out_file = tmp_path / "results.json"
     mp.spawn(_dist_worker, args=(2, str(tmp_path / "init"), str(out_file)), nprocs=2, join=True)
     results = json.loads(out_file.read_text())
-    for loss_kind in ("policy", "gkl"):
+    for loss_kind in LOSS_KINDS:
         for agg in AGGREGATIONS:
             whole_loss, whole_grad = _whole_batch(loss_kind, agg)
             got = results[f"{loss_kind}/{agg}"]
@@ -519,3 +528,118 @@ def test_modules_import_only_torch_and_the_standard_library():
     # the rule every aggregation keeps is stated where a reader meets it, and explained in the README
     assert losses.__doc__ and "whole mini-batch" in losses.__doc__ and "micro_batch_divisors" in losses.__doc__
     assert "### Exact under any split" in (ROOT / "README.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# The objectives since DAPO: hand-computed values and gradients, and an independent form of each
+# ---------------------------------------------------------------------------------------------
+
+def _grad_of(fn, logp, *args, **kwargs):
+    logp = logp.clone().requires_grad_()
+    loss, stats = fn(logp, *args, **kwargs)
+    loss.backward()
+    return loss.item(), logp.grad, stats
+
+
+def test_gspo_vector():
+    # Row 0: log-ratios 0.1, 0.3 -> s_0 = e^0.2 = 1.221403, A = 1; row 1: -0.2 -> s_1 = e^-0.2 =
+    # 0.818731, A = -1 (one token, padded). Wide clip: J = (1.221403 - 0.818731) / 2 = 0.201336;
+    # d loss / d logp: row 0, each token -(1/2) s_0 (1/2) = -0.305351; row 1 +(1/2) s_1 = 0.409365.
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]], dtype=F64)
+    old = logp - torch.tensor([[0.1, 0.3], [-0.2, 0.0]], dtype=F64)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=F64)
+    adv = torch.tensor([1.0, -1.0], dtype=F64)
+    loss, grad, stats = _grad_of(losses.gspo_loss, logp, old, adv, mask, eps_low=0.5, eps_high=0.5)
+    assert loss == pytest.approx(-0.201336, abs=1e-6)
+    assert torch.allclose(grad, torch.tensor([[-0.305351, -0.305351], [0.409365, 0.0]], dtype=F64), atol=1e-6)
+    assert stats["clip_frac_high"] == 0 and stats["ratio_max"] == pytest.approx(1.221403, abs=1e-6)
+    # Clip range 0.1: s_0 -> 1.1 and s_1 -> 0.9, both the pessimistic side: J = (1.1 - 0.9) / 2,
+    # and no gradient at all (the whole sequence is clipped, not some of its tokens).
+    loss, grad, stats = _grad_of(losses.gspo_loss, logp, old, adv, mask, eps_low=0.1, eps_high=0.1)
+    assert loss == pytest.approx(-0.1, abs=1e-12) and grad.abs().max() == 0
+    assert stats["clip_frac_high"] == pytest.approx(2 / 3) and stats["clip_frac_low"] == pytest.approx(1 / 3)
+
+
+def test_gspo_equals_its_sequence_form():
+    """The paper's own form, one ratio per sequence: the same loss and gradient."""
+    g = torch.Generator().manual_seed(3)
+    logp = -torch.rand(4, 5, generator=g, dtype=F64)
+    old = logp.detach() + 0.05 * torch.randn(4, 5, generator=g, dtype=F64)
+    mask = (torch.arange(5)[None] < torch.tensor([5, 3, 1, 4])[:, None]).to(F64)
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=F64)
+    loss, grad, _ = _grad_of(losses.gspo_loss, logp, old, adv, mask, eps_low=0.02, eps_high=0.03)
+    x = logp.clone().requires_grad_()
+    s = torch.exp(((x - old) * mask).sum(-1) / mask.sum(-1))             # (B,)
+    want = -torch.minimum(s * adv, s.clamp(0.98, 1.03) * adv).mean()
+    want.backward()
+    assert loss == pytest.approx(want.item(), abs=1e-12)
+    assert torch.allclose(grad, x.grad, atol=1e-12) and x.grad.abs().max() > 0.01
+
+
+def test_cispo_vector():
+    # r = e^0.5 = 1.648721 (cut to 1.2) and e^-1 = 0.367879 (no lower bound), A = 2, token mean:
+    # loss = -(1.2 * 2 * -1.0 + 0.367879 * 2 * -2.0) / 2 = 1.935759; d loss / d logp = -w A / 2.
+    logp = torch.tensor([[-1.0, -2.0]], dtype=F64)
+    old = torch.tensor([[-1.5, -1.0]], dtype=F64)
+    loss, grad, stats = _grad_of(losses.cispo_loss, logp, old, torch.tensor([2.0], dtype=F64),
+                                 torch.ones(1, 2, dtype=F64), eps_low=1.0, eps_high=0.2)
+    assert loss == pytest.approx(1.935759, abs=1e-6)
+    assert torch.allclose(grad, torch.tensor([[-1.2, -0.367879]], dtype=F64), atol=1e-6)
+    assert stats["clip_frac_high"] == 0.5 and stats["clip_frac_low"] == 0
+    # PPO's clip would give the first token no gradient; CISPO keeps both tokens' gradients.
+    _, ppo_grad, _ = _grad_of(losses.policy_loss, logp, old, torch.tensor([2.0], dtype=F64),
+                              torch.ones(1, 2, dtype=F64), eps_low=0.2, eps_high=0.2)
+    assert ppo_grad[0, 0] == 0 and grad[0, 0] != 0
+
+
+def test_gmpo_vector():
+    # Row 0, A = 1, log-ratios 0.6 (capped at 0.4) and -0.2: exp(mean(0.4, -0.2)) = e^0.1; row 1,
+    # A = -1, log-ratios -0.6 (floored at -0.4) and 0.2: e^-0.1. loss = -(e^0.1 - e^-0.1) / 2 =
+    # -0.100167; the clipped tokens get no gradient, the others -A e^(+-0.1) / 2 / 2.
+    logp = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]], dtype=F64)
+    old = logp - torch.tensor([[0.6, -0.2], [-0.6, 0.2]], dtype=F64)
+    loss, grad, stats = _grad_of(losses.gmpo_loss, logp, old, torch.tensor([1.0, -1.0], dtype=F64),
+                                 torch.ones(2, 2, dtype=F64), eps_low=0.4, eps_high=0.4)
+    assert loss == pytest.approx(-(math.exp(0.1) - math.exp(-0.1)) / 2, abs=1e-12)
+    want = torch.tensor([[0.0, -math.exp(0.1) / 4], [0.0, math.exp(-0.1) / 4]], dtype=F64)
+    assert torch.allclose(grad, want, atol=1e-12)
+    assert stats["clip_frac_high"] == 0.25 and stats["clip_frac_low"] == 0.25
+
+
+def test_gmpo_equals_the_geometric_mean_of_clipped_ratios():
+    """The paper's form: |A| prod_t min(r_t, clip(r_t))^(1/|o|) for A > 0 (max for A < 0)."""
+    g = torch.Generator().manual_seed(4)
+    logp = -torch.rand(3, 4, generator=g, dtype=F64)
+    old = logp + 0.5 * torch.randn(3, 4, generator=g, dtype=F64)
+    mask = torch.ones(3, 4, dtype=F64)
+    adv = torch.tensor([0.7, -1.3, 0.4], dtype=F64)
+    loss, _, _ = _grad_of(losses.gmpo_loss, logp, old, adv, mask, eps_low=0.3, eps_high=0.2)
+    r = torch.exp(logp - old)
+    low, high = math.exp(-0.3), math.exp(0.2)
+    pessimistic = torch.where(adv[:, None] > 0, torch.minimum(r, r.clamp(low, high)),
+                              torch.maximum(r, r.clamp(low, high)))
+    geometric = pessimistic.prod(-1) ** (1 / 4)
+    assert loss == pytest.approx(-(adv * geometric).mean().item(), abs=1e-12)
+
+
+def test_sapo_vector():
+    # At r = 1 the gate is 4 / tau * 1/2: loss = -(2 / 1.0 * 1 - 2 / 1.05 * 1) / 2 = -0.047619,
+    # and its gradient the plain policy gradient, -A / 2 per (one-token) sequence.
+    logp = torch.tensor([[-1.0], [-2.0]], dtype=F64)
+    loss, grad, stats = _grad_of(losses.sapo_loss, logp, logp.clone(), torch.tensor([1.0, -1.0], dtype=F64),
+                                 torch.ones(2, 1, dtype=F64), tau_pos=1.0, tau_neg=1.05)
+    assert loss == pytest.approx(-(2.0 - 2.0 / 1.05) / 2, abs=1e-12)
+    assert torch.allclose(grad, torch.tensor([[-0.5], [0.5]], dtype=F64), atol=1e-12)
+    # Off-policy the gradient fades smoothly: 4 s (1 - s) r with s = sigmoid(tau (r - 1)).
+    r = 1.5
+    sig = 1 / (1 + math.exp(-(r - 1)))
+    _, grad, _ = _grad_of(losses.sapo_loss, logp[:1], logp[:1] - math.log(r),
+                          torch.tensor([1.0], dtype=F64), torch.ones(1, 1, dtype=F64))
+    assert grad.item() == pytest.approx(-4 * sig * (1 - sig) * r, abs=1e-12)
+
+
+@pytest.mark.parametrize("objective", ["gspo", "gmpo"])
+def test_sequence_objectives_refuse_token_advantages(objective):
+    with pytest.raises(ValueError, match="one advantage per sequence"):
+        losses.OBJECTIVES[objective](torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3),
+                                     torch.ones(2, 3))

@@ -1054,3 +1054,47 @@ def test_replayed_routing_lines_up_with_the_packed_batch(tiny, tmp_path):
     fed = replay[..., 0, 0] >= 0  # (b, P+C) positions the sampler routed
     assert fed.sum() > 20 and not (fed & ~attn.bool()).any()
     assert torch.equal(replay[fed], free.stacked(run.policy.config)[fed])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["gspo", "cispo", "gmpo", "sapo"])
+def test_each_objective_acts_in_a_run(tiny, tmp_path, preset):
+    """Each objective's preset reaches its loss: two steps of four updates (so the ratio leaves 1),
+    finite updates, and the objective's own figure moving where it has one (GSPO's narrow
+    sequence clip, CISPO's cut weights)."""
+    import losses
+    model_dir, _ = tiny
+    data_file = learnable_data(tmp_path / "learnable.jsonl")
+    out = tmp_path / preset
+    run_train(["--preset", preset, "--model", model_dir, "--data", data_file, "--steps", "2",
+               "--max-refills", "1", "--template", "none", "--out", str(out)]
+              + flags(lr="1e-2", max_new_tokens="24", prompts_per_step="8", seed="1",
+                      mini_batches="4"))
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["objective"] == preset and losses.OBJECTIVES[preset] is not losses.policy_loss
+    rows = metrics(out)
+    assert all(r["skipped_updates"] == 0 and math.isfinite(r["grad_norm"]) for r in rows)
+    assert max(r["ratio_max"] or 0.0 for r in rows) > 1.0  # later updates see a moved policy
+    clipped = max(r["clip_frac_high"] + r["clip_frac_low"] for r in rows if r["clip_frac_high"] is not None)
+    if preset in ("gspo", "cispo"):
+        assert clipped > 0
+    if preset == "sapo":  # a gate, no clip
+        assert clipped == 0
+
+
+def test_objective_flags_are_checked(capsys):
+    import config
+    args, _ = config.parse_config(["--model", "x", "--objective", "gspo"])
+    assert args.clip_c is None  # the dapo preset's dual-clip belongs to the clipped ratio it replaces
+    assert config.objective_settings(args) == {"eps_low": 0.2, "eps_high": 0.28}
+    args, _ = config.parse_config(["--preset", "sapo", "--model", "x", "--sapo-tau-neg", "2"])
+    assert config.objective_settings(args) == {"tau_pos": 1.0, "tau_neg": 2.0}
+    assert config.parse_config(["--preset", "cispo", "--model", "x"])[0].eps_low == 1.0  # no bound
+    assert config.parse_config(["--preset", "gmpo", "--model", "x", "--eps-low", "1.5"])[0].eps_low == 1.5
+    for argv, named in [(["--objective", "gspo", "--clip-c", "3"], "--objective gspo"),
+                        (["--preset", "dpo", "--objective", "sapo"], "--objective sapo"),
+                        (["--eps-low", "1.0"], "--eps-low"),           # the clipped ratio: [0, 1)
+                        (["--objective", "cispo", "--eps-low", "1.5"], "--eps-low")]:
+        with pytest.raises(SystemExit):
+            config.parse_config(["--model", "x"] + argv)
+        assert named in capsys.readouterr().err, argv
