@@ -297,6 +297,10 @@ def check_config(args, parser):
         if getattr(args, key) and not refills:
             parser.error(f"--{key.replace('_', '-')} acts in refill rounds: it needs "
                          f"--dynamic-sampling and --max-refills >= 1 (got {args.max_refills})")
+    if args.top_p < 1 and (args.tis_cap or args.keep_surplus):
+        parser.error(f"--top-p {args.top_p:g} samples from a truncated distribution, while the "
+                     "sampler's log-probs, which --tis-cap and --keep-surplus read as the behaviour "
+                     "policy's, are of the whole one: use --top-p 1 with them")
     if args.objective != "clip" and (args.clip_c is not None or args.algo == "dpo"):
         parser.error(f"--objective {args.objective} replaces the clipped ratio of --algo pg: "
                      "leave --clip-c (dual-clip) unset and --algo at pg")

@@ -129,16 +129,16 @@ def pair_batches(run, batch, pairs):
 
 
 def dpo_loss(run, mb):
-    """DPO's loss on one PairBatch -> (loss, named sums for the log)."""
-    temperature = run.args.temperature
-    seq_logp = (token_logprobs(run.model, mb.ids, mb.attn, start=mb.start, temperature=temperature)
-                * mb.mask).sum(-1)  # (2b,)
+    """DPO's loss on one PairBatch -> (loss, named sums for the log). The log-probs are the
+    policies' own, untempered (as TRL's): the sampling temperature would change the implicit
+    reward beta * log(pi / pi_ref) and so the effective beta."""
+    seq_logp = (token_logprobs(run.model, mb.ids, mb.attn, start=mb.start) * mb.mask).sum(-1)  # (2b,)
     names = ("chosen_reward", "rejected_reward", "reward_margin", "accuracy")
     if not mb.pairs:  # a stand-in: same names, no weight (every rank logs the same names)
         return seq_logp.sum() * 0, {f"dpo_{n}": 0.0 for n in names} | {"pairs": 0, "pair_tokens": 0}
     with torch.no_grad():
-        ref = (reference_forward(run, lambda m: token_logprobs(
-            m, mb.ids, mb.attn, start=mb.start, temperature=temperature)) * mb.mask).sum(-1)  # (2b,)
+        ref = (reference_forward(run, lambda m: token_logprobs(m, mb.ids, mb.attn, start=mb.start))
+               * mb.mask).sum(-1)  # (2b,)
     chosen, rejected = seq_logp[0::2], seq_logp[1::2]  # rows alternate: chosen, rejected, ...
     loss, stats = losses.dpo_loss(chosen, rejected, ref[0::2], ref[1::2], run.args.dpo_beta,
                                   num_pairs=mb.num_pairs)

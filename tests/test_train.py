@@ -1098,3 +1098,49 @@ def test_objective_flags_are_checked(capsys):
         with pytest.raises(SystemExit):
             config.parse_config(["--model", "x"] + argv)
         assert named in capsys.readouterr().err, argv
+
+
+def test_sampler_and_trainer_agree_below_temperature_one(tiny, tmp_path):
+    """The CPU default samples at 0.8: at a temperature other than 1 the trainer's log-probs (of
+    the logits divided by it) must still be the sampler's, on the fp32 path (BASE pins fp32)."""
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    run_train(["--model", model_dir, "--data", data_file, "--steps", "2", "--out", str(out)]
+              + flags(temperature="0.7", mini_batches="2"))
+    rows = metrics(out)
+    assert all(r["sampler_trainer_mismatch"] < 1e-4 for r in rows)
+
+
+def test_dpo_reads_untempered_log_probs(tiny, tmp_path):
+    """DPO's implicit reward is beta * log(pi / pi_ref) of the policies themselves: the sampling
+    temperature (0.5 here) must not divide the logits, or it changes the effective beta."""
+    import data
+    import losses
+    import reference
+    from model import token_logprobs
+    run = in_process_run(tmp_path, tiny, "--preset", "dpo", "--temperature", "0.5")
+    with torch.no_grad():  # a reference apart from the policy, so the margins are not all 0
+        for p in run.reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    packed = data.pack([[2, 4, 5], [2, 4, 5]], [[7, 8, 9], [10, 3]], "cpu")
+    mb = reference.PairBatch(ids=packed.ids, attn=packed.attn, start=packed.start, mask=packed.mask,
+                             pairs=1, num_pairs=torch.tensor(1.0))
+    loss, _ = reference.dpo_loss(run, mb)
+    with torch.no_grad():
+        seq = (token_logprobs(run.policy, packed.ids, packed.attn, start=packed.start) * packed.mask).sum(-1)
+        ref = (token_logprobs(run.reference, packed.ids, packed.attn, start=packed.start)
+               * packed.mask).sum(-1)
+    want, _ = losses.dpo_loss(seq[:1], seq[1:], ref[:1], ref[1:], 0.1, num_pairs=1.0)
+    assert loss.item() == pytest.approx(want.item(), abs=1e-6)
+
+
+def test_truncated_sampling_with_a_rollout_correction_is_refused(capsys):
+    """With --top-p < 1 the tokens come from the truncated distribution while the sampler's
+    log-probs are of the whole one (the ratio to pi_old would be of the wrong behaviour policy):
+    the corrections that read those log-probs are refused with it, by name."""
+    import config
+    for extra in (["--tis-cap", "2"], ["--keep-surplus", "--max-refills", "1"]):
+        with pytest.raises(SystemExit):
+            config.parse_config(["--model", "x", "--top-p", "0.9"] + extra)
+        assert "--top-p" in capsys.readouterr().err
+    assert config.parse_config(["--model", "x", "--top-p", "0.9"])[0].top_p == 0.9
