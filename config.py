@@ -356,3 +356,24 @@ def objective_settings(args):
         return {"tau_pos": args.sapo_tau_pos, "tau_neg": args.sapo_tau_neg}
     clip = {"eps_low": args.eps_low, "eps_high": args.eps_high}
     return {**clip, "clip_c": args.clip_c} if args.objective == "clip" else clip
+
+
+def reward_options(args, completion):
+    """rewards.math_reward's keyword arguments for one completion under this run's flags."""
+    options = {"correct": args.correct_reward, "wrong": args.wrong_reward,
+               **shaping_options(args, completion)}
+    if args.format_reward != "none":
+        options.update(format_style=args.format_reward, format_weight=args.format_weight)
+    return options
+
+
+def shaping_options(args, completion):
+    """rewards.shaping's: the overlong punishment (change 4, eq. 13), the perplexity penalty."""
+    options = {}
+    if args.overlong_penalty:
+        options.update(length=len(completion.tokens), max_len=args.max_new_tokens,
+                       cache_len=overlong_cache_tokens(args))
+    if args.ppl_penalty != "off":
+        mean_nll = -sum(completion.logprobs) / max(1, len(completion.logprobs))
+        options.update(mean_nll=mean_nll, ppl_threshold=args.ppl_threshold, ppl_window=args.ppl_window)
+    return options

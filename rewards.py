@@ -15,8 +15,8 @@ import re
 
 from verify import ANSWER_LINE_RE, MAX_SCAN_CHARS, answer_tag, clean_text, is_correct
 
-__all__ = ["overlong_penalty", "perplexity_penalty", "format_reward", "xml_terms", "math_reward",
-           "FORMAT_STYLES"]
+__all__ = ["overlong_penalty", "perplexity_penalty", "shaping", "format_reward", "xml_terms",
+           "math_reward", "FORMAT_STYLES"]
 
 # ---------------------------------------------------------------------------------------------
 # Shaping terms
@@ -182,6 +182,20 @@ def _term_on(term, **arguments):
     return on
 
 
+def shaping(*, length=None, max_len=None, cache_len=None, mean_nll=None, ppl_threshold=None,
+            ppl_window=None) -> dict[str, float]:
+    """The terms a completion earns by its own length and perplexity, {"overlong", "ppl"} (0.0
+    where off), as math_reward adds them: each earlier turn of an episode earns them too. The
+    overlong term is on when max_len or cache_len is given, the perplexity term when
+    ppl_threshold or ppl_window is; then all of that term's arguments are needed."""
+    use_overlong = _term_on("the overlong penalty", length=length, max_len=max_len,
+                            cache_len=cache_len)
+    use_ppl = _term_on("the perplexity penalty", mean_nll=mean_nll, ppl_threshold=ppl_threshold,
+                       ppl_window=ppl_window)
+    return {"overlong": overlong_penalty(length, max_len, cache_len) if use_overlong else 0.0,
+            "ppl": perplexity_penalty(mean_nll, ppl_threshold, ppl_window) if use_ppl else 0.0}
+
+
 def math_reward(
     response: str,
     truth,
@@ -213,10 +227,8 @@ def math_reward(
     style = _format_style(format_style) if format_style is not None else None
     r_correct, r_wrong = _finite("correct", correct), _finite("wrong", wrong)
     w_format = _finite("format_weight", format_weight)
-    use_overlong = _term_on("the overlong penalty", length=length, max_len=max_len,
-                            cache_len=cache_len)
-    use_ppl = _term_on("the perplexity penalty", mean_nll=mean_nll, ppl_threshold=ppl_threshold,
-                       ppl_window=ppl_window)
+    shaped = shaping(length=length, max_len=max_len, cache_len=cache_len, mean_nll=mean_nll,
+                     ppl_threshold=ppl_threshold, ppl_window=ppl_window)
 
     ok = is_correct(response, truth)
     # DAPO eq. 7: R(y_hat, y) = 1 if is_equivalent(y_hat, y) else -1
@@ -229,9 +241,6 @@ def math_reward(
     if style == "xml":
         terms = xml_terms(response)
         c["integer"], c["xml_count"] = w_format * terms["integer"], terms["xml_count"]
-    if use_overlong:
-        c["overlong"] = overlong_penalty(length, max_len, cache_len)
-    if use_ppl:
-        c["ppl"] = perplexity_penalty(mean_nll, ppl_threshold, ppl_window)
+    c.update(shaped)
     total = c["correct"] + c["format"] + c["integer"] + c["xml_count"] + c["overlong"] + c["ppl"]
     return total, c

@@ -184,24 +184,11 @@ def train_step(run, progress):
 
 # ---- 1-2: sample, reward, filter ----------------------------------------------------------------
 
-def reward_options(args, completion):
-    """rewards.math_reward's keyword arguments for one completion under this run's flags."""
-    options = {"correct": args.correct_reward, "wrong": args.wrong_reward}
-    if args.format_reward != "none":
-        options.update(format_style=args.format_reward, format_weight=args.format_weight)
-    if args.overlong_penalty:  # change 4, eq. 13
-        options.update(length=len(completion.tokens), max_len=args.max_new_tokens,
-                       cache_len=config.overlong_cache_tokens(args))
-    if args.ppl_penalty != "off":
-        mean_nll = -sum(completion.logprobs) / max(1, len(completion.logprobs))
-        options.update(mean_nll=mean_nll, ppl_threshold=args.ppl_threshold, ppl_window=args.ppl_window)
-    return options
-
 
 def sample_and_reward(run, records, num_samples, seeds):
     """Step 1: num_samples[i] episodes of records[i] from the sampler (one turn each for a math
     problem, episodes.py), each rewarded by its last turn's answer; that outcome, with every
-    turn's overlong punishment (change 4 applies per turn), is the reward of all its turns."""
+    turn's length and perplexity terms (change 4 applies per turn), is the reward of all its turns."""
     args, tokenizer = run.args, run.tokenizer
     played = episodes.play(run.sampler.eval(), tokenizer, records, num_samples, seeds,
                            template=args.template, max_new_tokens=args.max_new_tokens,
@@ -210,19 +197,20 @@ def sample_and_reward(run, records, num_samples, seeds):
                            record_routing=args.routing_replay)
     group = [g for g, n in enumerate(num_samples) for _ in range(n)]  # (E,) prompt of each episode
     scored = [rewards.math_reward(turns[-1].text, records[g]["answer"],
-                                  **reward_options(args, turns[-1].completion))
+                                  **config.reward_options(args, turns[-1].completion))
               for turns, g in zip(played, group)]
-    earlier = [sum(rewards.overlong_penalty(len(t.completion.tokens), args.max_new_tokens,
-                                            config.overlong_cache_tokens(args)) for t in turns[:-1])
-               if args.overlong_penalty else 0.0 for turns in played]  # (E,)
+    per_turn = [[rewards.shaping(**config.shaping_options(args, t.completion)) for t in turns[:-1]]
+                for turns in played]  # the earlier turns' own terms (the last turn's are scored)
+    earlier = [{name: sum(terms[name] for terms in turns) for name in ("overlong", "ppl")}
+               for turns in per_turn]  # (E,)
     correct = [parts["accuracy"] > 0 for _, parts in scored]
     bonus = [0.0] * len(played)
     if args.efficiency_weight:  # balanced reasoning: short right answers score a little more
         lengths = [sum(len(t.completion.tokens) for t in turns) for turns in played]
         bonus = dapo.efficiency_bonus(correct, lengths, num_samples, args.efficiency_weight).tolist()
-    episode_rewards = [r + e + b for (r, _), e, b in zip(scored, earlier, bonus)]
-    parts = [{**p, "overlong": p["overlong"] + e, "efficiency": b}
-             for (_, p), e, b in zip(scored, earlier, bonus)]
+    episode_rewards = [r + e["overlong"] + e["ppl"] + b for (r, _), e, b in zip(scored, earlier, bonus)]
+    parts = [{**p, "overlong": p["overlong"] + e["overlong"], "ppl": p["ppl"] + e["ppl"],
+              "efficiency": b} for (_, p), e, b in zip(scored, earlier, bonus)]
     rows = [(e, turn) for e, turns in enumerate(played) for turn in turns]  # (N,) episode-major
     rows_per_group = [0] * len(records)
     for g, turns in zip(group, played):

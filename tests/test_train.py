@@ -617,14 +617,13 @@ def test_reward_flags_reach_the_reward(tiny, tmp_path):
     reach rewards.math_reward (the format terms used to be always 0)."""
     import config
     import rewards
-    import train
     from rollout import Completion
     args, _ = config.parse_config(["--model", "x", "--format-reward", "xml", "--correct-reward", "2",
                                    "--wrong-reward", "0", "--ppl-penalty", "beside",
                                    "--overlong-penalty", "--max-new-tokens", "20"])
     text = "<reasoning>\nthree\n</reasoning>\n<answer>\n3\n</answer>"
     completion = Completion(0, list(range(18)), [-0.1] * 18, "stop")
-    total, parts = rewards.math_reward(text, "3", **train.reward_options(args, completion))
+    total, parts = rewards.math_reward(text, "3", **config.reward_options(args, completion))
     assert parts["correct"] == 2.0 and parts["format"] == 0.5 and parts["integer"] == 0.5
     assert parts["xml_count"] == 0.5 and parts["overlong"] == pytest.approx(-0.5)  # 18 of 20, cache 4
     assert total == pytest.approx(2.0 + 0.5 + 0.5 + 0.5 - 0.5)
@@ -1144,3 +1143,21 @@ def test_truncated_sampling_with_a_rollout_correction_is_refused(capsys):
             config.parse_config(["--model", "x", "--top-p", "0.9"] + extra)
         assert "--top-p" in capsys.readouterr().err
     assert config.parse_config(["--model", "x", "--top-p", "0.9"])[0].top_p == 0.9
+
+
+def test_every_turn_earns_its_perplexity_penalty(tiny, tmp_path, monkeypatch):
+    """The perplexity penalty, like the overlong punishment, scores every turn of an episode (it
+    used to read the last turn only): a confused first turn costs its episode."""
+    import episodes
+    import train
+    from rollout import Completion
+    run = in_process_run(tmp_path, tiny, "--ppl-penalty", "beside", "--ppl-threshold", "0.5",
+                         "--ppl-window", "1.0", "--overlong-penalty", "--max-new-tokens", "4")
+    turns = [episodes.Turn([2, 3], Completion(0, [5, 6], [-3.0, -3.0], "stop"), "Memory: 1"),  # nll 3
+             episodes.Turn([2, 4], Completion(0, [7, 8, 9, 10], [-1.0] * 4, "length"), "Answer: 7")]
+    monkeypatch.setattr(episodes, "play", lambda *a, **k: [turns])
+    batch = train.sample_and_reward(run, [{"id": "q", "prompt": "x", "answer": "7"}], [1], [0])
+    parts = batch.reward_parts[0]
+    assert parts["ppl"] == pytest.approx(-1.0 + -0.5)         # turn 1: beyond the window; turn 2: half
+    assert parts["overlong"] == pytest.approx(0.0 + -1.0)      # 2 of 4 tokens, then the whole budget
+    assert batch.rewards == [pytest.approx(1.0 - 1.5 - 1.0)] * 2  # right, less both turns' terms
