@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from test_train import digit_checkpoint, learnable_data  # noqa: E402
 
-RECIPES = {"ladder.sh": 6, "proposed.sh": 4, "grpo-vs-dpo.sh": 6}  # arms
+RECIPES = {"ladder.sh": 6, "proposed.sh": 4, "grpo-vs-dpo.sh": 6, "objectives.sh": 4}  # arms
 
 
 def recipe(name, tmp_path, **env):
