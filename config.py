@@ -166,10 +166,12 @@ def algorithm_flags(g):
                    help="loss aggregation")
     g.add_argument("--objective", default="clip", choices=list(losses.OBJECTIVES),
                    help="the policy-gradient surrogate: DAPO's clipped ratio, or GSPO, CISPO, "
-                        "GMPO, SAPO (README: the objectives)")
+                        "GMPO, SAPO; --preset NAME sets its paper's clip range and aggregation "
+                        "too (README: the objectives)")
     g.add_argument("--eps-low", type=float, default=0.2,
                    help="lower clip range (GMPO: in log space; CISPO: 1 = no lower bound)")
-    g.add_argument("--eps-high", type=float, default=0.28, help="upper clip range (clip-higher)")
+    g.add_argument("--eps-high", type=float, default=0.28,
+                   help="upper clip range (clip-higher; GMPO: in log space)")
     g.add_argument("--clip-c", type=float, default=None, help="dual-clip constant (None = off)")
     g.add_argument("--sapo-tau-pos", type=float, default=1.0,
                    help="SAPO: the gate's temperature where the advantage is positive")

@@ -79,9 +79,12 @@ def gather(obj, world):
     return out
 
 
-def shut_down():
-    """The process group's end, after every rank has written what it writes."""
+def shut_down(exit_status=0):
+    """The process group's end, after every rank has written what it writes; then the process's
+    with `exit_status` (0: return, in one process)."""
     if not dist.is_initialized():
+        if exit_status:
+            sys.exit(exit_status)
         return
     dist.barrier()
     dist.destroy_process_group()
@@ -90,7 +93,7 @@ def shut_down():
     # exception", seen here about once in 40 gloo runs). Everything is written: leave now.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(exit_status)
 
 
 # ---- the update's bookkeeping over ranks ---------------------------------------------------------

@@ -3,7 +3,7 @@
     # the bundled SmolLM2-135M-Instruct, greedy, on 200 held-out problems of the synthetic task (CPU)
     python eval.py --data arithmetic --limit 200
 
-    # a trained run's final model (any directory written by model.save_model) on the same problems
+    # a trained run's final model (any directory written by checkpoints.save_model) on the same problems
     python eval.py --model runs/my-run/final --data arithmetic --limit 200
 
     # a Qwen model on a GPU: greedy GSM8K, then DAPO's protocol on AIME 2024 (avg@32, T 1.0, top-p 0.7)

@@ -1,6 +1,7 @@
 """A run around its steps: setup (ranks, the model and its copies, the optimizer, the data, every
-flag checked against them), checkpoints and resume, held-out evaluation, the final save. train.py
-calls these; its steps never do.
+flag checked against them), checkpoints and resume, held-out evaluation, the final save, and
+the few things a step asks of its Run (the update's precision, the sampler's refresh, a log's
+samples). train.py's loop calls these.
 
     run = setup(args)                            # -> Run: the long-lived objects
     progress, carried = load_checkpoint(run)     # --resume
@@ -16,7 +17,9 @@ import json
 import os
 import random
 import resource
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -71,6 +74,32 @@ class Progress:
     skipped_updates: int = 0       # non-finite losses or gradients, left out
     prompt_accuracy: dict = field(default_factory=dict)  # per prompt id, all ranks' samples
     carry: object = None           # this rank's surplus groups for the next step (Rollouts)
+
+
+class StopRequest:
+    """SIGTERM (a scheduler preempting the job) and SIGINT (Ctrl-C) ask the run to stop at the
+    end of the step under way, with a checkpoint; the same signal again stops it at once (the last
+    checkpoint stays whole: checkpoints are written aside, then renamed)."""
+
+    def __init__(self):
+        self.signum, self.before = None, {}
+        if threading.current_thread() is threading.main_thread():  # (signals reach it alone)
+            self.before = {signum: signal.signal(signum, self.ask)
+                           for signum in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore(self):
+        """The handlers from before (a caller in the same process, e.g. a test, keeps its own)."""
+        for signum, handler in self.before.items():
+            signal.signal(signum, handler)
+
+    def ask(self, signum, frame):
+        if self.signum is not None:  # asked twice: the system's own end of the process
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: stopping at the end of this step, with a checkpoint "
+              "(the same signal again stops at once)", file=sys.stderr, flush=True)
 
 
 # ---- setup ---------------------------------------------------------------------------------------
@@ -207,7 +236,9 @@ def describe(run):
     params = sum(p.numel() for p in run.policy.parameters()) / 1e6
     precision = "bf16 rollouts and autocast updates, fp32 weights" if run.bf16 else "float32"
     cpu = " with the CPU defaults" if args.model is None and args.preset in ("dapo", "dapo-memory") else ""
-    method = f"{args.algo} {args.adv_estimator}, {args.loss_agg}, clip {args.eps_low}/{args.eps_high}" \
+    surrogate = f"SAPO gate {args.sapo_tau_pos}/{args.sapo_tau_neg}" if args.objective == "sapo" else \
+        ("" if args.objective == "clip" else args.objective.upper() + " ") + f"clip {args.eps_low}/{args.eps_high}"
+    method = f"{args.algo} {args.adv_estimator}, {args.loss_agg}, {surrogate}" \
         if args.algo == "pg" else f"DPO ({args.dpo_pairs} pairs), beta {args.dpo_beta}"
     return "\n".join([
         f"model     {args.model or 'bundled SmolLM2-135M-Instruct'}: {params:.0f}M parameters, "

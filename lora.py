@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+
 class LoRALinear(nn.Module):
     """y = W x + (alpha / r) * B A dropout(x) (Hu et al. 2021, eq. 3); W frozen, B starts at 0."""
 

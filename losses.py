@@ -101,7 +101,6 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mea
     raise ValueError(f"unknown agg {agg!r}; expected one of {AGGREGATIONS} or 'none'")
 
 
-
 def _group_token_mean(per_token, seq_tokens, group_ids, group_token_counts, num_groups):
     """aggregate's "group-token-mean": per_token (B, T) masked, seq_tokens (B,) |o_i|."""
     if group_token_counts is None:
@@ -292,7 +291,6 @@ def ratio_stats(ratio, advantages, active, logp, old_logp, eps_low, eps_high, cl
         if ratio.numel() else torch.zeros((), dtype=logp.dtype, device=logp.device),
         "tokens": count.to(logp.dtype),
     }
-
 
 
 # ---------------------------------------------------------------------------------------------

@@ -154,8 +154,8 @@ class Attention(nn.Module):
             k, v = cache.write(layer, k, v)  # (B, Hkv, S, D): everything cached so far
         if self.softcap or T == 1:
             # Gemma 2's tanh fits no fused kernel; a decode step (one query row) is two small
-            # matrix products: on the CPU 5-10x faster than SDPA's flash kernel (`python rollout.py
-            # --bench`), and on CUDA it reads the grouped heads in place, where SDPA with a mask
+            # matrix products: on the CPU 5-10x faster than SDPA's flash kernel (`python bench.py
+            # sampler`), and on CUDA it reads the grouped heads in place, where SDPA with a mask
             # and grouped heads falls back to its math path over copied heads.
             y = attend_grouped(q, k, v, mask, self.scale, self.softcap)
         else:

@@ -13,6 +13,7 @@ Tests: `python -m pytest tests/test_model.py -k moe`.
 import torch
 import torch.nn as nn
 
+
 class Routing:
     """The experts each token was routed to, per MoE layer, recorded by a forward pass; or given
     to a forward pass to replay (RL routing replay: the update recomputes the sampler's network,

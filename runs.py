@@ -4,7 +4,7 @@
     runs/NAME/metrics.jsonl            one JSON line per training step
     runs/NAME/eval.jsonl               held-out accuracy at step 0, every --eval-every steps, the end
     runs/NAME/checkpoint.pt            the latest checkpoint; checkpoint-previous.pt, the one before
-    runs/NAME/final/                   the trained model (model.save_model)
+    runs/NAME/final/                   the trained model (checkpoints.save_model)
     runs/NAME/run.lock                 who writes this run now (pid, host, since when)
 
     python runs.py runs/NAME           # its learning curve, runs/NAME/curve.png

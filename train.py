@@ -37,6 +37,7 @@ import dataclasses
 import itertools
 import math
 import random
+import signal
 import time
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -139,6 +140,7 @@ class Collected(NamedTuple):
 
 
 class StepResult(NamedTuple):
+    """One training step's outcome."""
     progress: object   # launch.Progress after the step
     row: dict          # its line of metrics.jsonl
     samples: list      # a few of its completions, for samples.jsonl
@@ -183,7 +185,6 @@ def train_step(run, progress):
 
 
 # ---- 1-2: sample, reward, filter ----------------------------------------------------------------
-
 
 def sample_and_reward(run, records, num_samples, seeds):
     """Step 1: num_samples[i] episodes of records[i] from the sampler (one turn each for a math
@@ -230,7 +231,7 @@ def collect_rollouts(run, progress):
     """Steps 1-2: sample and reward this rank's prompts; with dynamic sampling (change 2) keep
     the groups with 0 < #correct < G and sample again, up to --max-refills more rounds. Never
     loops forever and never fails on the budget (verl raises): the step trains on what it has.
-    -> (kept groups, every round's rollouts, surplus groups to carry, adversarial prompts asked)
+    -> Collected (kept groups, every round's rollouts, surplus groups to carry, variants asked)
     """
     args = run.args
     want = args.prompts_per_step // run.world
@@ -423,7 +424,7 @@ def policy_gradient_loss(run, mb, divisors):
                                    entropy_grad=args.entropy_coef > 0, hidden=hidden)  # (b, C)
     old = torch.where(mb.has_old[:, None], mb.old, logp.detach())  # (b, C) pi_old
     weights = losses.tis_weights(old, mb.sampler, args.tis_cap) if args.tis_cap else None
-    objective = losses.OBJECTIVES[args.objective]  # DAPO's clipped ratio (eq. 10), or GSPO, ...
+    objective = losses.OBJECTIVES[args.objective]  # policy_loss: DAPO's eq. 10; or --objective's
     loss, stats = objective(logp, old, mb.advantages, mask, agg=args.loss_agg, token_weights=weights,
                             **config.objective_settings(args), **divisors)
     if args.entropy_coef:
@@ -543,15 +544,16 @@ def main(argv=None):
                dynamic_ncols=True)
     limit = args.time_limit * 60 or math.inf  # seconds of training; 0: none
     last_save, over_time = time.monotonic(), progress.train_seconds > limit  # (a resumed run)
-    while progress.step < args.steps and not over_time:
+    stop, stopping = launch.StopRequest(), False  # SIGTERM, Ctrl-C: at the end of a step
+    while progress.step < args.steps and not over_time and not stopping:
         progress, row, examples = train_step(run, progress)
         # Every rank must stop at the same step (or the others hang in the next collective), and
         # their clocks differ (rank 0 alone evaluates): the decisions are maxed over ranks.
         flags = reduce_metrics({}, {
-            "over_time": float(progress.train_seconds > limit),
+            "over_time": float(progress.train_seconds > limit), "stop": float(stop.signum is not None),
             "save_due": float(time.monotonic() - last_save > args.checkpoint_minutes * 60 or bool(
                 args.checkpoint_every and progress.step % args.checkpoint_every == 0))})
-        over_time = flags["over_time"] > 0
+        over_time, stopping = flags["over_time"] > 0, flags["stop"] > 0
         if args.bench:
             print(f"step {progress.step}: rollout {row['seconds_rollout']:.1f} s, scoring "
                   f"{row['seconds_scoring']:.1f} s, update {row['seconds_update']:.1f} s, sampler "
@@ -559,12 +561,18 @@ def main(argv=None):
             continue
         if rank0:  # metrics.jsonl, samples.jsonl, the bar, and the held-out evaluation when due
             launch.log_step(run, progress, row, examples, bar)
-        if flags["save_due"] or over_time or progress.step == args.steps:
+        if flags["save_due"] or over_time or stopping or progress.step == args.steps:
             launch.save_checkpoint(run, progress)
             last_save = time.monotonic()
     bar.close()
+    stop.restore()
     if over_time and rank0:
         print(f"time limit of {args.time_limit:g} minutes reached after {progress.step} steps", flush=True)
+    if stopping:  # not finished: no final/, an exit status that says so
+        if rank0:
+            print(f"stopped after step {progress.step}, checkpointed: python train.py --resume "
+                  f"{args.out}", flush=True)
+        return distributed.shut_down(exit_status=128 + (stop.signum or signal.SIGTERM))
     if not args.bench:
         launch.finish(run, progress)  # every rank: under FSDP they gather the weights together
     distributed.shut_down()

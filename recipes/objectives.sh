@@ -2,7 +2,8 @@
 # DAPO's clipped ratio against the objectives since (losses.OBJECTIVES): GSPO's sequence-level
 # ratio, CISPO's clipped weight that keeps every token's gradient, GMPO's geometric mean; each
 # with the rest of DAPO unchanged and its paper's clip range and aggregation (dapo.PRESETS).
-# Several updates a step (4 on the CPU, 16 on the GPU): at one the ratio is 1 and they coincide.
+# Several updates a step (4 on the CPU, 16 on the GPU): at one the ratio is 1 and each is the
+# plain policy gradient under its aggregation.
 # The CPU flags set every value the dapo preset's CPU defaults would (config.CPU_DEFAULTS), so
 # that the arms differ in their objective only.
 #

@@ -1,7 +1,7 @@
 """The judged table: (response, truth, verdict, reason), judged by hand as a grader would.
 
 tests/test_rewards.py asserts every verdict; `python tests/bench_answers.py` runs the same table
-through rewards.is_correct and math-verify side by side. Responses are full texts (the verifier
+through verify.is_correct and math-verify side by side. Responses are full texts (the verifier
 extracts the answer first); `said(x)` is "Answer: $x$", as DAPO's prompt asks for, `boxed(x)` a
 MATH-style sentence ending in a box. A verdict False is a must-not-match. GROUPS holds the cases
 by form, CASES all of them.

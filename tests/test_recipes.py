@@ -103,12 +103,13 @@ def test_a_recipe_runs_end_to_end_at_a_tiny_size(name, size, tmp_path):
     assert again.returncode == 0 and "--preset" not in again.stdout
 
 
-def test_the_readme_table_is_what_the_committed_logs_give():
-    """The GRPO-against-DPO grid's logs are committed (assets/grpo-vs-dpo-cpu/): the table that
-    `python runs.py` makes of them is the README's, row for row."""
+@pytest.mark.parametrize("study", ["grpo-vs-dpo", "objectives"])
+def test_the_readme_table_is_what_the_committed_logs_give(study):
+    """The studies' logs are committed (assets/STUDY-cpu/): the table that `python runs.py`
+    makes of them is the README's, row for row."""
     import runs
-    run_dirs = sorted((ROOT / "assets" / "grpo-vs-dpo-cpu").glob("*-s?"))
-    assert len(run_dirs) == 3 * RECIPES["grpo-vs-dpo.sh"]
+    run_dirs = sorted((ROOT / "assets" / f"{study}-cpu").glob("*-s?"))
+    assert len(run_dirs) == 3 * RECIPES[f"{study}.sh"]
     table = runs.summary_table([runs.load_run(str(d)) for d in run_dirs]).splitlines()
     readme = (ROOT / "README.md").read_text()
     for row in table:

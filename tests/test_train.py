@@ -1161,3 +1161,33 @@ def test_every_turn_earns_its_perplexity_penalty(tiny, tmp_path, monkeypatch):
     assert parts["ppl"] == pytest.approx(-1.0 + -0.5)         # turn 1: beyond the window; turn 2: half
     assert parts["overlong"] == pytest.approx(0.0 + -1.0)      # 2 of 4 tokens, then the whole budget
     assert batch.rewards == [pytest.approx(1.0 - 1.5 - 1.0)] * 2  # right, less both turns' terms
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "ctrl-c"])
+def test_a_signal_stops_at_a_step_with_a_checkpoint(tiny, tmp_path, signum):
+    """A scheduler's SIGTERM or a Ctrl-C: the step under way ends, a checkpoint is written (the
+    run checkpoints by time only here, so it would have none), one line says how to go on, no
+    traceback, exit status 128 + the signal's number; --resume then equals never stopping."""
+    model_dir, data_file = tiny
+    common = ["--model", model_dir, "--data", data_file, "--steps", "8"] + BASE
+    straight = tmp_path / "straight"
+    run_train(common + ["--out", str(straight)])
+    stopped = tmp_path / "stopped"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py")] + common + ["--out", str(stopped)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (
+            (stopped / "metrics.jsonl").exists() and (stopped / "metrics.jsonl").read_text().strip()):
+        time.sleep(0.02)
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signum and "Traceback" not in stderr, stderr[-2000:]
+    steps = [r["step"] for r in metrics(stopped)]
+    assert steps == list(range(1, len(steps) + 1)) and 1 <= len(steps) < 8
+    assert f"stopped after step {len(steps)}, checkpointed: python train.py --resume" in stdout
+    assert (stopped / "checkpoint.pt").exists() and not (stopped / "final").exists()
+    run_train(["--resume", str(stopped)])
+    assert_same_run(straight, stopped)
