@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 
 import config
 import dapo
@@ -87,7 +88,10 @@ class StopRequest:
             self.before = {signum: signal.signal(signum, self.ask)
                            for signum in (signal.SIGTERM, signal.SIGINT)}
 
-    def restore(self):
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
         """The handlers from before (a caller in the same process, e.g. a test, keeps its own)."""
         for signum, handler in self.before.items():
             signal.signal(signum, handler)
@@ -307,9 +311,13 @@ def save_checkpoint(run, progress):
         if not run.args.fsdp else {"shards": sharding.save_shards(run.args.out, progress.step,
                                                                   run.policy, run.optimizer)}
     if run.rank == 0:
-        runs.save_checkpoint(run.args.out, {
-            **weights, "per_rank": per_rank, "progress": {
-                f.name: getattr(progress, f.name) for f in dataclasses.fields(progress) if f.name != "carry"}})
+        try:
+            runs.save_checkpoint(run.args.out, {
+                **weights, "per_rank": per_rank, "progress": {
+                    f.name: getattr(progress, f.name) for f in dataclasses.fields(progress)
+                    if f.name != "carry"}})
+        except runs.RunError as error:  # a full disk: said in a line, the last checkpoint whole
+            sys.exit(f"train.py: {error}")
         if run.args.fsdp:
             sharding.drop_shards(run.args.out, keep=runs.checkpoint_values(run.args.out, "shards"))
 
@@ -407,6 +415,13 @@ def log_step(run, progress, row, examples, bar):
         evaluate_and_log(run, progress)
 
 
+def print_seconds(step, row):
+    """train.py --bench: where a step's time went."""
+    print(f"step {step}: rollout {row['seconds_rollout']:.1f} s, scoring {row['seconds_scoring']:.1f} "
+          f"s, update {row['seconds_update']:.1f} s, sampler refresh {row['seconds_refresh']:.2f} s",
+          flush=True)
+
+
 def finish(run, progress):
     """The held-out accuracy at the end (unless just measured), final/ (the trained weights), and
     a summary line. Every rank calls it (under FSDP they gather the weights together); rank 0
@@ -419,7 +434,12 @@ def finish(run, progress):
         evals = runs.read_lines(os.path.join(args.out, "eval.jsonl"))
         if not evals or evals[-1]["step"] != progress.step:
             evals.append({"step": progress.step, **evaluate_and_log(run, progress)})
-    save_model(final, run.tokenizer, os.path.join(args.out, "final"))
+    try:
+        save_model(final, run.tokenizer, os.path.join(args.out, "final"))
+    except (OSError, SafetensorError) as error:  # a full disk: final/ is written aside, renamed
+        reason = getattr(error, "strerror", None) or str(error).splitlines()[0]
+        sys.exit(f"train.py: {args.out}/final: could not write the model ({reason}); the checkpoint "
+                 f"is whole: free some space and run python train.py --resume {args.out}")
     summary = {"out": args.out, "steps": progress.step, "updates": progress.updates,
                "train_minutes": round(progress.train_seconds / 60, 2),
                "skipped_updates": progress.skipped_updates}

@@ -155,11 +155,22 @@ def save_checkpoint(run_dir, state):
     read back before it replaces anything; the checkpoint it replaces stays as
     checkpoint-previous.pt."""
     path = os.path.join(run_dir, CHECKPOINT)
-    torch.save(state, path + ".tmp")
-    torch.load(path + ".tmp", map_location="cpu", weights_only=True, mmap=True)  # raises if not whole
+    try:
+        torch.save(state, path + ".tmp")
+        torch.load(path + ".tmp", map_location="cpu", weights_only=True, mmap=True)  # whole?
+    except (OSError, RuntimeError) as error:  # a full disk: torch says "file write failed"
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        kept = "the one before is kept" if os.path.exists(path) else "there is none before it"
+        raise RunError(f"{path}: could not write the checkpoint ({_first_line(error)}); {kept}") \
+            from None
     if os.path.exists(path):
         os.replace(path, os.path.join(run_dir, PREVIOUS_CHECKPOINT))
     os.replace(path + ".tmp", path)
+
+
+def _first_line(error):
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def load_checkpoint(run_dir):

@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
+from tqdm import tqdm
 
 import config
 import dapo
@@ -533,18 +534,33 @@ def main(argv=None):
     run = launch.setup(args)
     progress, carried = launch.load_checkpoint(run) if args.resume else (launch.Progress(), None)
     progress = replace(progress, carry=Rollouts(**carried) if carried else None)
-    rank0, writes = run.rank == 0, run.rank == 0 and not args.bench
-    if writes:
+    if run.rank == 0 and not args.bench:
         launch.open_run_directory(run, progress)
         print(launch.describe(run), flush=True)
         if run.heldout and progress.step == 0:
             launch.evaluate_and_log(run, progress)
-    from tqdm import tqdm
+    with launch.StopRequest() as stop:  # SIGTERM, Ctrl-C: at the end of a step, checkpointed
+        progress, ended = train_steps(run, progress, stop)
+    if ended == "stopped":  # not finished: no final/, an exit status that says so
+        if run.rank == 0:
+            print(f"stopped after step {progress.step}, checkpointed: python train.py --resume "
+                  f"{args.out}", flush=True)
+        return distributed.shut_down(exit_status=128 + (stop.signum or signal.SIGTERM))
+    if ended == "time" and run.rank == 0:
+        print(f"time limit of {args.time_limit:g} minutes reached after {progress.step} steps", flush=True)
+    if not args.bench:
+        launch.finish(run, progress)  # every rank: under FSDP they gather the weights together
+    distributed.shut_down()
+
+
+def train_steps(run, progress, stop):
+    """Steps until --steps, the time limit or a stop request; rank 0 logs them; checkpoints by
+    time, every --checkpoint-every steps and at the end. -> (progress, "steps" | "time" | "stopped")"""
+    args, writes = run.args, run.rank == 0 and not run.args.bench
     bar = tqdm(total=args.steps, initial=progress.step, disable=not writes, desc="train", unit="step",
                dynamic_ncols=True)
     limit = args.time_limit * 60 or math.inf  # seconds of training; 0: none
-    last_save, over_time = time.monotonic(), progress.train_seconds > limit  # (a resumed run)
-    stop, stopping = launch.StopRequest(), False  # SIGTERM, Ctrl-C: at the end of a step
+    last_save, over_time, stopping = time.monotonic(), progress.train_seconds > limit, False
     while progress.step < args.steps and not over_time and not stopping:
         progress, row, examples = train_step(run, progress)
         # Every rank must stop at the same step (or the others hang in the next collective), and
@@ -554,28 +570,16 @@ def main(argv=None):
             "save_due": float(time.monotonic() - last_save > args.checkpoint_minutes * 60 or bool(
                 args.checkpoint_every and progress.step % args.checkpoint_every == 0))})
         over_time, stopping = flags["over_time"] > 0, flags["stop"] > 0
-        if args.bench:
-            print(f"step {progress.step}: rollout {row['seconds_rollout']:.1f} s, scoring "
-                  f"{row['seconds_scoring']:.1f} s, update {row['seconds_update']:.1f} s, sampler "
-                  f"refresh {row['seconds_refresh']:.2f} s", flush=True)
+        if args.bench:  # seconds per part of the step, nothing written
+            launch.print_seconds(progress.step, row)
             continue
-        if rank0:  # metrics.jsonl, samples.jsonl, the bar, and the held-out evaluation when due
+        if writes:  # metrics.jsonl, samples.jsonl, the bar, and the held-out evaluation when due
             launch.log_step(run, progress, row, examples, bar)
         if flags["save_due"] or over_time or stopping or progress.step == args.steps:
             launch.save_checkpoint(run, progress)
             last_save = time.monotonic()
     bar.close()
-    stop.restore()
-    if over_time and rank0:
-        print(f"time limit of {args.time_limit:g} minutes reached after {progress.step} steps", flush=True)
-    if stopping:  # not finished: no final/, an exit status that says so
-        if rank0:
-            print(f"stopped after step {progress.step}, checkpointed: python train.py --resume "
-                  f"{args.out}", flush=True)
-        return distributed.shut_down(exit_status=128 + (stop.signum or signal.SIGTERM))
-    if not args.bench:
-        launch.finish(run, progress)  # every rank: under FSDP they gather the weights together
-    distributed.shut_down()
+    return progress, "stopped" if stopping else "time" if over_time else "steps"
 
 
 # ---- the learning rate -------------------------------------------------------------------------

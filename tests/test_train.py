@@ -1191,3 +1191,60 @@ def test_a_signal_stops_at_a_step_with_a_checkpoint(tiny, tmp_path, signum):
     assert (stopped / "checkpoint.pt").exists() and not (stopped / "final").exists()
     run_train(["--resume", str(stopped)])
     assert_same_run(straight, stopped)
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_one_before_stays(tiny, tmp_path, monkeypatch):
+    """A full disk while a checkpoint is written: torch raises its own RuntimeError halfway
+    through the file. The run says so in one line (an exit, no traceback), leaves no half file,
+    and the checkpoint before it loads."""
+    import runs
+    import train
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    real_save, calls = torch.save, []
+
+    def save_until_the_disk_is_full(obj, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:  # the second checkpoint: a few bytes, then no space
+            with open(path, "wb") as f:
+                f.write(b"PK\x03\x04")
+            raise RuntimeError("[enforce fail at inline_container.cc:603] . PytorchStreamWriter "
+                               "failed writing file data/12: file write failed")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_until_the_disk_is_full)
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--model", model_dir, "--data", data_file, "--steps", "3", "--checkpoint-every",
+                    "1", "--out", str(out)] + BASE)
+    message = str(stopped.value.code)
+    assert message.startswith("train.py: ") and "\n" not in message
+    assert "could not write the checkpoint" in message and "file write failed" in message
+    assert "the one before is kept" in message
+    assert not (out / "checkpoint.pt.tmp").exists()
+    assert runs.load_checkpoint(str(out))["progress"]["step"] == 1
+
+
+def test_a_full_disk_at_final_is_one_line_and_resume_writes_it(tiny, tmp_path, monkeypatch):
+    import errno
+    import gc
+    import launch
+    import train
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(launch, "save_model", no_space)
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--model", model_dir, "--data", data_file, "--steps", "2", "--out", str(out)] + BASE)
+    message = str(stopped.value.code)
+    assert "final: could not write the model (No space left on device)" in message
+    assert f"python train.py --resume {out}" in message and "\n" not in message
+    assert (out / "checkpoint.pt").exists() and not (out / "final").exists()
+    del stopped
+    gc.collect()  # the run's lock on its directory goes with the run (the system frees it)
+    monkeypatch.undo()
+    run_train(["--resume", str(out)])
+    assert (out / "final" / "model.safetensors").exists()
+    assert [r["step"] for r in metrics(out)] == [1, 2]
