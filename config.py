@@ -17,6 +17,7 @@ import data
 import losses
 import rewards
 import runs
+import tracking
 
 # The offline default: the `dapo` preset scaled to a 2-core CPU and a 135M model. What differs from
 # the paper's run, and why:
@@ -70,6 +71,9 @@ def run_flags(g):
                    help="also checkpoint every N steps (0 = by time only)")
     g.add_argument("--log-samples", type=int, default=4,
                    help="completions written to samples.jsonl each step, with their rewards")
+    g.add_argument("--report-to", default="none",
+                   help="also log to tensorboard and/or wandb (comma-separated; wandb offline with "
+                        "WANDB_MODE=offline), e.g. tensorboard,wandb; default none")
     g.add_argument("--label", default=None,
                    help="this run's name in comparisons, python runs.py (default: its preset)")
 
@@ -294,6 +298,10 @@ def check_config(args, parser):
     for key, ok, rule in range_rules(args):
         if not ok:
             fail(key, rule)
+    try:
+        tracking.parse_report_to(args.report_to)
+    except ValueError as error:
+        parser.error(f"--report-to {error}")
     refills = args.dynamic_sampling and args.max_refills > 0
     for key in ("adversarial", "keep_surplus"):  # both act in refill rounds only
         if getattr(args, key) and not refills:

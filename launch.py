@@ -34,6 +34,7 @@ import episodes
 import quantize
 import runs
 import sharding
+import tracking
 import verify
 from checkpoints import cpu_has_bf16, load_model, save_model
 from distributed import gather, setup_distributed
@@ -63,6 +64,7 @@ class Run:
     bf16: bool                  # updates under bf16 autocast
     variant_rng: random.Random  # draws the adversarial variants
     run_lock: object            # rank 0's hold on the run directory (run.lock), else None
+    tracker: tracking.Tracker = tracking.Tracker([], None, {})  # --report-to (rank 0), else none
 
 
 @dataclass(frozen=True)
@@ -270,6 +272,14 @@ def open_run_directory(run, progress):
     runs.trim_log(os.path.join(args.out, "eval.jsonl"), progress.step if progress.step else -1)
 
 
+def open_tracking(run, progress):
+    """--report-to's backends for rank 0 (on resume, from the step after the checkpoint)."""
+    args = run.args
+    return tracking.Tracker(tracking.parse_report_to(args.report_to), args.out,
+                            {k: v for k, v in vars(args).items() if k not in ("device", "bench")},
+                            rerun_from=(progress.step + 1 if progress.step else 0) if args.resume else None)
+
+
 def autocast(run):
     """The update's precision: bf16 autocast where bf16 is fast (fp32 weights), else fp32."""
     return torch.autocast(run.args.device.type, dtype=torch.bfloat16) if run.bf16 \
@@ -395,8 +405,9 @@ def evaluate_and_log(run, progress):
     sampled = f", avg@{args.eval_samples} {result['avg@k']:.3f}" if args.eval_samples else ""
     print(f"step {progress.step}: held-out accuracy {accuracy:.3f}{sampled} on {result['n']} "
           f"problems ({time.perf_counter() - started:.0f} s)", flush=True)
-    runs.append_line(os.path.join(run.args.out, "eval.jsonl"),
-                     {"step": progress.step, "train_seconds": progress.train_seconds, **result})
+    row = {"step": progress.step, "train_seconds": progress.train_seconds, **result}
+    runs.append_line(os.path.join(run.args.out, "eval.jsonl"), row)
+    run.tracker.log(row, progress.step, prefix="eval/")
     return result
 
 
@@ -407,6 +418,8 @@ def log_step(run, progress, row, examples, bar):
     runs.append_line(os.path.join(args.out, "metrics.jsonl"), row)
     for line in examples:
         runs.append_line(os.path.join(args.out, "samples.jsonl"), line)
+    run.tracker.log(row, row["step"])
+    run.tracker.log_samples(examples, row["step"])
     bar.update(1)
     limit = f"/{args.time_limit:g}" if args.time_limit else ""
     bar.set_postfix_str(f"acc {row['accuracy']:.2f} kept {row['groups_kept']}/{row['groups_sampled']} "

@@ -536,6 +536,7 @@ def main(argv=None):
     progress = replace(progress, carry=Rollouts(**carried) if carried else None)
     if run.rank == 0 and not args.bench:
         launch.open_run_directory(run, progress)
+        run = replace(run, tracker=launch.open_tracking(run, progress))  # --report-to
         print(launch.describe(run), flush=True)
         if run.heldout and progress.step == 0:
             launch.evaluate_and_log(run, progress)
@@ -545,11 +546,13 @@ def main(argv=None):
         if run.rank == 0:
             print(f"stopped after step {progress.step}, checkpointed: python train.py --resume "
                   f"{args.out}", flush=True)
+        run.tracker.close()
         return distributed.shut_down(exit_status=128 + (stop.signum or signal.SIGTERM))
     if ended == "time" and run.rank == 0:
         print(f"time limit of {args.time_limit:g} minutes reached after {progress.step} steps", flush=True)
     if not args.bench:
         launch.finish(run, progress)  # every rank: under FSDP they gather the weights together
+    run.tracker.close()
     distributed.shut_down()
 
 

@@ -1,0 +1,106 @@
+"""Experiment tracking: each step's metrics, each held-out evaluation, the run's flags and a few
+completions, to tensorboard and/or wandb, under the names of metrics.jsonl and eval.jsonl
+(evaluations as "eval/pass@1", ...). metrics.jsonl stays the record; these are views of it.
+
+    python train.py --report-to tensorboard                 # then: tensorboard --logdir runs
+    WANDB_MODE=offline python train.py --report-to wandb    # a local run; wandb sync it later
+    python train.py --report-to tensorboard,wandb
+
+Both libraries are optional: imported only when asked for (config.py refuses the flag, naming the
+pip install, when one is missing). Rank 0 alone writes.
+"""
+
+import importlib.util
+import os
+import uuid
+
+BACKENDS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # backend -> the package it needs
+
+
+def parse_report_to(text):
+    """"none", or backends separated by commas -> list of backends. ValueError names a bad one."""
+    names = [name.strip() for name in str(text).split(",") if name.strip()]
+    if names == ["none"]:
+        return []
+    unknown = [name for name in names if name not in BACKENDS]
+    if unknown or not names:
+        raise ValueError(f"{text!r}: use none, or one or more of {', '.join(BACKENDS)} "
+                         "separated by commas")
+    missing = [BACKENDS[name] for name in names if importlib.util.find_spec(BACKENDS[name]) is None]
+    if missing:
+        raise ValueError(f"{text!r} needs {' and '.join(missing)}, which is not installed: "
+                         f"pip install {' '.join(missing)}")
+    return list(dict.fromkeys(names))  # each once, in the order given
+
+
+def numbers(row, prefix=""):
+    """The entries of a log row that a chart can show: finite numbers (None, lists, text left out)."""
+    return {prefix + key: float(value) for key, value in row.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+            and abs(value) != float("inf")}
+
+
+class Tracker:
+    """The backends of one run; with none, every call does nothing. `rerun_from`: on --resume,
+    the first step that runs again (tensorboard hides what a killed run logged from there on;
+    wandb keeps the first value of a step, see the README); None for a new run."""
+
+    def __init__(self, backends, out, flags, rerun_from=None):
+        self.tensorboard = self.wandb = None
+        if "tensorboard" in backends:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(os.path.join(out, "tensorboard"),
+                                             purge_step=rerun_from)
+            self.tensorboard.add_text("config", "\n".join(f"    {key}: {value}"
+                                                          for key, value in sorted(flags.items())))
+        if "wandb" in backends:
+            import wandb
+            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "dapo"), dir=out,
+                                    name=os.path.basename(os.path.abspath(out)), config=flags,
+                                    id=wandb_run_id(out), resume="allow")
+
+    def log(self, row, step, prefix=""):
+        """A metrics.jsonl row (prefix "") or an eval.jsonl row (prefix "eval/") at `step`."""
+        values = numbers({k: v for k, v in row.items() if k != "step"}, prefix)
+        if self.tensorboard:
+            for name, value in values.items():
+                self.tensorboard.add_scalar(name, value, step)
+            self.tensorboard.flush()  # a run killed later keeps what was logged
+        if self.wandb:
+            self.wandb.log(values, step=step)
+
+    def log_samples(self, lines, step):
+        """samples.jsonl's lines of a step: a text table (tensorboard), a wandb.Table (wandb)."""
+        if not lines:
+            return
+        columns = ["turn", "prompt", "answer", "completion", "reward", "advantage"]
+        if self.tensorboard:  # a markdown table, which tensorboard's text tab renders
+            table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            table += ["| " + " | ".join(table_cell(line[c]) for c in columns) + " |" for line in lines]
+            self.tensorboard.add_text("samples", "\n".join(table), step)
+        if self.wandb:
+            import wandb
+            self.wandb.log({"samples": wandb.Table(columns=columns, data=[
+                [line[c] for c in columns] for line in lines])}, step=step)
+
+    def close(self):
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def table_cell(value):
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def wandb_run_id(out):
+    """The run's wandb id, kept in the run directory so that --resume continues the same run."""
+    path = os.path.join(out, "wandb-run-id")
+    if os.path.exists(path):
+        with open(path) as f:
+            return f.read().strip()
+    run_id = uuid.uuid4().hex[:12]
+    with open(path, "w") as f:
+        f.write(run_id + "\n")
+    return run_id
