@@ -14,40 +14,26 @@
 
 `--data` is whatever data.load_records takes: gsm8k, math500, aime24, dapo-math-17k (hub),
 arithmetic[:key=value,...] (synthetic; split "test" is its fixed held-out set, 200 problems unless
---limit says otherwise), or a local .jsonl/.json/.parquet file with the hub's field names.
+--limit says otherwise), or a local .jsonl/.json/.parquet file with the hub's field names; or the
+memory task in turns, memory[:key=value,...] (episodes.py; its held-out diaries, 50 unless --limit
+says otherwise, as the dapo-memory preset evaluates).
 
-How one evaluation runs (`evaluate`):
-1. Each problem is formatted with data.format_prompt. The template defaults by data: the bare
-   question ("none") for the synthetic `arithmetic` task, which is how its numbers were measured
-   and how train.py prompts it; the DAPO "Answer:" instruction ("dapo") for everything else.
-2. Prompts are sorted by length (less padding) and sampled in batches of --batch-size prompts x k
-   samples with rollout.generate, stopping at the tokenizer's end tokens
-   (`rollout.stop_token_ids`).
-3. Every response is decoded and scored with verify.is_correct against the ground truth.
+    # a memory run's model on 12-page diaries, four times longer than it was trained on
+    python eval.py --model runs/my-memory-run/final --data memory:pages=12,max=9,filler=2,ask=first --limit 50
 
-Metrics (per problem i with c_i correct of n = k samples, then averaged over the N problems):
-- pass@1: the probability that one sample is right. Greedy (temperature 0, k 1): the greedy
-  answer's correctness. Sampled: the unbiased estimate c_i / n (Chen et al. 2021, "Evaluating
-  Large Language Models Trained on Code", arXiv 2107.03374, eq. 1 with k = 1), so with sampling
-  pass@1 equals avg@k.
-- avg@k: mean accuracy of the k samples, mean_i c_i / k. The DAPO paper (arXiv 2503.14476) reports
-  avg@32 on AIME 2024, at temperature 1.0 and top-p 0.7.
-- pass@k: the chance that at least one of k samples is right, with Chen et al.'s unbiased
-  estimator 1 - C(n - c, k) / C(n, k), computed as the product 1 - prod_{j=n-c+1}^{n} (1 - k / j)
-  (their numerically stable form, which never builds the huge binomials). Here n = k, so it is
-  "any sample correct"; `pass_at_k(n, c, k)` is the general function.
-- maj@k: majority vote (self-consistency, Wang et al. 2022, arXiv 2203.11171; "maj1@k" in Lewkowycz
-  et al. 2022, Minerva, arXiv 2206.14858). The extracted answers vote; two answers vote together
-  when verify.is_correct deems them equal (so "1,000", "1000" and "1000.0" are one vote);
-  responses with no answer do not vote; a tie goes to the answer seen first. The problem counts
-  as solved when the winning answer is correct.
-- mean_length: generated tokens per response (the stop token included); truncated: the fraction of
-  responses that hit --max-new-tokens without a stop token.
+How one evaluation runs, and what each metric means: evaluation.py (train.py's held-out
+evaluation calls the same `evaluate`, so a checkpoint gets the same numbers from both). Prompts
+are formatted with data.format_prompt; the template defaults by data: the bare question ("none")
+for the synthetic tasks (arithmetic, memory), as train.py prompts them; the DAPO "Answer:"
+instruction ("dapo") for everything else. A memory record is an episode of a turn a page, each
+reply one line (the sampler also stops at a line break, as in training).
 
 Outputs: a tqdm progress bar on stderr; one JSON line per problem (id, problem, the rendered
 prompt, answer, responses, extracted answers, correct flags, lengths, finish reasons, the voted
-answer) written atomically (temporary file, then rename) to --out, by default
-`eval-<data>-<YYYYmmdd-HHMMSS>.jsonl` in the current directory; and stdout ends with exactly one
+answer; a memory record adds each episode's replies) written atomically (temporary file, then
+rename) to --out, by default `eval-<data>-<YYYYmmdd-HHMMSS>.jsonl` beside the evaluated model (in
+the folder holding a model directory: a run's final/ -> the run's directory), or under runs/eval/
+for the bundled model or a hub id; and stdout ends with exactly one
 JSON line: model, data, n, k, pass@1, avg@k, pass@k, maj@k, temperature, mean_length, truncated,
 seconds, out, and the other settings. --out is checked before any work: never the --data file,
 an existing file only with --overwrite, a folder that can be written. If the results still cannot
@@ -66,191 +52,48 @@ import tempfile
 import time
 
 import torch
-from tqdm import tqdm
 
 import checkpoints
 import data
+import episodes
 import rollout
-import verify
+from evaluation import DEFAULT_ROWS, evaluate
 
-DEFAULT_ROWS = 64  # prompts x samples per generate call when --batch-size is not given
 BUNDLED_NAME = "bundled:SmolLM2-135M-Instruct"
-
-
-# ----------------------------------------------------------------------------- metrics
-
-def pass_at_k(n, c, k):
-    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, arXiv 2107.03374).
-
-    1 - C(n - c, k) / C(n, k), computed as 1 - prod_{j = n-c+1}^{n} (1 - k / j), which is the same
-    number without the huge binomial coefficients.
-    """
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:  # every draw of k samples contains a correct one
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / j for j in range(n - c + 1, n + 1))
-
-
-def majority_vote(answers):
-    """The most frequent answer among `answers` (None entries do not vote) -> (answer, votes).
-
-    Equal answers (`verify.answers_equal`) vote together under the first one's spelling; a tie
-    goes to the answer seen first. (None, 0) when nobody voted.
-    """
-    clusters = []  # [representative, votes], in order of first appearance
-    for answer in answers:
-        if answer is None:
-            continue
-        for cluster in clusters:
-            if cluster[0] == answer or verify.answers_equal(answer, cluster[0]):
-                cluster[1] += 1
-                break
-        else:
-            clusters.append([answer, 1])
-    if not clusters:
-        return None, 0
-    return tuple(max(clusters, key=lambda cluster: cluster[1]))  # max keeps the first of equals
-
-
-def summarize(results, k):
-    """Per-problem results (as `evaluate` makes them) -> the metrics dict."""
-    if not results:
-        raise ValueError("summarize: no results")
-    n = len(results)
-    counts = [sum(r["correct"]) for r in results]
-    lengths = [length for r in results for length in r["lengths"]]
-    finishes = [reason for r in results for reason in r["finish_reasons"]]
-    return {
-        "n": n,
-        "k": k,
-        "pass@1": sum(pass_at_k(k, c, 1) for c in counts) / n,
-        "avg@k": sum(c / k for c in counts) / n,
-        "pass@k": sum(pass_at_k(k, c, k) for c in counts) / n,
-        "maj@k": sum(bool(r["voted_correct"]) for r in results) / n,
-        "mean_length": sum(lengths) / len(lengths),
-        "truncated": finishes.count("length") / len(finishes),
-    }
-
-
-# ----------------------------------------------------------------------------- generation
-
-def _uses_plain_prompt(tokenizer, template):
-    return template == "plain-question" or getattr(tokenizer, "chat_template", None) is None
-
-
-def _cut_plain_continuation(text):
-    """A base model prompted "Question: ...\\nAnswer:" often goes on to invent the next question;
-    the response ends where that starts (else its "Answer:" line would be taken as the answer)."""
-    match = re.search(r"\n\s*Question:", text)
-    return text[:match.start()] if match else text
-
-
-def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_k=0,
-             max_new_tokens=256, template="dapo", batch_size=None, seed=0, stop_ids=None,
-             progress=True):
-    """Samples k responses per record and scores them -> (summary dict, per-problem list).
-
-    model: a model.Transformer (a DDP wrapper is unwrapped), used as it is (never reloaded; its
-    train/eval mode is restored afterwards). records: data.load_records records. batch_size:
-    prompts per generate call (default: DEFAULT_ROWS // k, at least 1). stop_ids: default
-    `rollout.stop_token_ids(tokenizer)`. The summary holds n, k, pass@1, avg@k, pass@k, maj@k,
-    mean_length, truncated, temperature, top_p, max_new_tokens, template, seconds, tokens_per_s;
-    the per-problem list follows the order of `records`.
-    """
-    if not records:
-        raise ValueError("evaluate: no records")
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"evaluate: k must be an integer >= 1, got {k!r}")
-    if temperature < 0:
-        raise ValueError(f"evaluate: temperature must be >= 0, got {temperature}")
-    if temperature == 0 and k > 1:
-        raise ValueError(f"evaluate: k={k} greedy samples would all be the same; use a "
-                         "temperature > 0 with k > 1")
-    model = getattr(model, "module", model)
-    stop_ids = rollout.stop_token_ids(tokenizer) if stop_ids is None else list(stop_ids)
-    batch_size = batch_size or max(1, DEFAULT_ROWS // k)
-    plain = _uses_plain_prompt(tokenizer, template)
-    prompts = [data.format_prompt(record, tokenizer, template) for record in records]
-    order = sorted(range(len(records)), key=lambda i: len(prompts[i]))  # similar lengths together
-    results = [None] * len(records)
-    was_training = model.training
-    model.eval()
-    bar = tqdm(total=len(records), desc="eval", unit="problem", file=sys.stderr,
-               disable=not progress, dynamic_ncols=True)
-    solved, generated = 0, 0
-    start = time.perf_counter()
-    try:
-        for batch_index, at in enumerate(range(0, len(order), batch_size)):
-            indices = order[at:at + batch_size]
-            completions = rollout.generate(
-                model, [prompts[i] for i in indices], num_samples=k, max_new_tokens=max_new_tokens,
-                temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_ids,
-                seed=seed * 1_000_003 + batch_index)  # prompt-major: prompt j's k samples at j*k
-            for j, i in enumerate(indices):
-                samples = completions[j * k:(j + 1) * k]
-                results[i] = _score(records[i], prompts[i], samples, tokenizer, plain)
-                solved += sum(results[i]["correct"])
-                generated += sum(results[i]["lengths"])
-            bar.update(len(indices))
-            bar.set_postfix(avg=f"{solved / (k * (at + len(indices))):.3f}")
-    finally:
-        bar.close()
-        model.train(was_training)
-    seconds = time.perf_counter() - start
-    summary = summarize(results, k)
-    summary.update(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                   template=template, seed=seed, seconds=seconds,
-                   tokens_per_s=generated / seconds if seconds > 0 else None)
-    return summary, results
-
-
-def _score(record, prompt_ids, samples, tokenizer, plain):
-    responses = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in samples]
-    if plain:
-        responses = [_cut_plain_continuation(text) for text in responses]
-    extracted = [verify.extract_answer(text) for text in responses]
-    voted, votes = majority_vote(extracted)
-    return {
-        "id": record["id"],
-        "problem": record["prompt"],
-        "prompt": tokenizer.decode(prompt_ids),
-        "answer": record["answer"],
-        "responses": responses,
-        "extracted": extracted,
-        "correct": [verify.is_correct(text, record["answer"]) for text in responses],
-        "lengths": [len(c.tokens) for c in samples],
-        "finish_reasons": [c.finish_reason for c in samples],
-        "voted": voted,
-        "votes": votes,
-        "voted_correct": verify.answers_equal(voted, record["answer"]),
-    }
 
 
 # ----------------------------------------------------------------------------- command line
 
+def task_name(data_name):
+    return str(data_name).split(":", 1)[0]
+
+
 def default_template(data_name):
-    """"none" (the bare question) for the synthetic arithmetic task, "dapo" for everything else."""
-    return "none" if str(data_name).split(":", 1)[0] == "arithmetic" else "dapo"
+    """"none" (the bare question) for the synthetic tasks, "dapo" for everything else."""
+    return "none" if task_name(data_name) in ("arithmetic", "memory") else "dapo"
 
 
 def default_max_new_tokens(data_name):
-    """256 for the synthetic task (the untrained model's answers run up to ~100 tokens), 1024 for
-    real benchmarks."""
-    return 256 if str(data_name).split(":", 1)[0] == "arithmetic" else 1024
+    """256 for the arithmetic task (the untrained model's answers run up to ~100 tokens), 16 a turn
+    for the memory task (its one-line replies, as the dapo-memory preset), 1024 for benchmarks."""
+    return {"arithmetic": 256, "memory": 16}.get(task_name(data_name), 1024)
 
 
-def default_out_path(data_name):
-    """eval-<data>-<YYYYmmdd-HHMMSS>.jsonl in the current directory (a file's folder and stem name it)."""
+def default_out_path(data_name, model=None):
+    """eval-<data>-<YYYYmmdd-HHMMSS>.jsonl (a data file's folder and stem name it) beside the model:
+    in the folder holding a model directory, else (the bundled model, a hub id, a .gguf file)
+    under runs/eval/."""
+    folder = os.path.dirname(os.path.abspath(model)) if model and os.path.isdir(model) \
+        else os.path.join("runs", "eval")
     name = str(data_name)
     if os.path.isfile(name):
-        folder = os.path.basename(os.path.dirname(os.path.abspath(name)))
-        name = f"{folder}-{os.path.splitext(os.path.basename(name))[0]}"
+        data_folder = os.path.basename(os.path.dirname(os.path.abspath(name)))
+        name = f"{data_folder}-{os.path.splitext(os.path.basename(name))[0]}"
     name = re.sub(r"[^A-Za-z0-9._=-]+", "-", name).strip("-") or "data"
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path, number = f"eval-{name}-{stamp}.jsonl", 1
+    path, number = os.path.join(folder, f"eval-{name}-{stamp}.jsonl"), 1
     while os.path.exists(path):
-        path, number = f"eval-{name}-{stamp}-{number}.jsonl", number + 1
+        path, number = os.path.join(folder, f"eval-{name}-{stamp}-{number}.jsonl"), number + 1
     return path
 
 
@@ -307,16 +150,18 @@ def build_parser():
                       help="checkpoint directory (e.g. a run's final model written by save_model), "
                            ".gguf file or hub id (default: the bundled SmolLM2-135M-Instruct)")
     what.add_argument("--data", default="arithmetic",
-                      help="gsm8k, math500, aime24, dapo-math-17k, arithmetic[:key=value,...] or a "
-                           "local .jsonl/.json/.parquet file (default: arithmetic)")
+                      help="gsm8k, math500, aime24, dapo-math-17k, arithmetic[:key=value,...], "
+                           "memory[:key=value,...] (in turns) or a local .jsonl/.json/.parquet "
+                           "file (default: arithmetic)")
     what.add_argument("--split", default="test",
                       help="dataset split; for arithmetic, 'test' is the fixed held-out set "
                            "(default: test; math500 and aime24 have one split and ignore it)")
     what.add_argument("--limit", type=_int_at_least(1), default=None,
-                      help="evaluate the first N problems (default: all; arithmetic: 200)")
+                      help="evaluate the first N problems (default: all; arithmetic: 200, "
+                           "memory: 50)")
     what.add_argument("--template", choices=data.TEMPLATES, default=None,
-                      help="prompt template (default: 'none', the bare question, for arithmetic; "
-                           "'dapo' otherwise)")
+                      help="prompt template (default: 'none', the bare question, for arithmetic "
+                           "and memory; 'dapo' otherwise)")
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--k", type=_int_at_least(1), default=1,
                           help="samples per problem, for avg@k, pass@k and maj@k (default: 1)")
@@ -328,8 +173,8 @@ def build_parser():
     sampling.add_argument("--top-k", type=_int_at_least(0), default=0,
                           help="keep the k most likely tokens, 0 = all (default: 0)")
     sampling.add_argument("--max-new-tokens", type=_int_at_least(1), default=None,
-                          help="response budget in tokens (default: 256 for arithmetic, 1024 "
-                               "otherwise)")
+                          help="response budget in tokens, per turn (default: 256 for "
+                               "arithmetic, 16 for memory, 1024 otherwise)")
     sampling.add_argument("--seed", type=_int_at_least(0), default=0, help="sampling seed (default: 0)")
     run = parser.add_argument_group("how to run")
     run.add_argument("--batch-size", type=_int_at_least(1), default=None,
@@ -342,8 +187,9 @@ def build_parser():
                      help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     run.add_argument("--out", default=None,
                      help="per-problem results, one JSON line each (default: "
-                          "eval-<data>-<YYYYmmdd-HHMMSS>.jsonl in the current directory); never "
-                          "the --data file, and an existing file only with --overwrite")
+                          "eval-<data>-<YYYYmmdd-HHMMSS>.jsonl beside a model directory, else "
+                          "under runs/eval/); never the --data file, and an existing file only "
+                          "with --overwrite")
     run.add_argument("--overwrite", action="store_true", help="let --out replace an existing file")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -367,7 +213,7 @@ def parse_args(argv=None):
     if args.temperature == 0 and args.k > 1:
         parser.error(f"argument --k: k={args.k} with --temperature 0 would give {args.k} identical "
                      "greedy samples; pass --temperature > 0 (e.g. 1.0) or --k 1")
-    args.out = args.out or default_out_path(args.data)
+    args.out = args.out or default_out_path(args.data, args.model)
     check_out_path(parser, args)
     return parser, args
 
@@ -396,8 +242,13 @@ def load_eval_records(parser, args):
     looks_like_path = os.sep in args.data or args.data.endswith(data.FILE_EXTENSIONS)
     if looks_like_path and not os.path.exists(args.data):
         parser.error(f"argument --data: no such file: {args.data}")
+    if task_name(args.data) == "memory" and args.split != "test":
+        parser.error(f"argument --split: the memory task has its held-out diaries only (test), "
+                     f"got {args.split!r}")
     try:
-        records = data.load_records(args.data, split=args.split, limit=args.limit)
+        records = episodes.MemoryTask.from_spec(args.data).heldout(args.limit or 50) \
+            if task_name(args.data) == "memory" else \
+            data.load_records(args.data, split=args.split, limit=args.limit)
     except data.DataError as error:
         parser.error(f"argument --data: {error}")
     if args.limit is not None and len(records) < args.limit:
@@ -429,16 +280,20 @@ def main(argv=None):
     if max_new_tokens >= model.config.max_seq_len:
         parser.error(f"argument --max-new-tokens: {max_new_tokens} leaves no room for a prompt in "
                      f"the model's context of {model.config.max_seq_len} tokens")
+    memory = task_name(args.data) == "memory"
     try:  # every prompt must leave room for the response inside the model's context
-        data.validate_records(records, args.data, tokenizer=tokenizer, template=template,
+        data.validate_records([episodes.next_turn(r, 0) for r in records], args.data,
+                              tokenizer=tokenizer, template=template,
                               max_prompt_tokens=model.config.max_seq_len - max_new_tokens)
     except data.DataError as error:
         parser.error(f"argument --data: {error} (the model's context is {model.config.max_seq_len} "
                      f"tokens, {max_new_tokens} of them kept for the response by --max-new-tokens)")
 
+    # The memory task's replies are one line each: its sampler stops at a line break (train.py's too).
+    stop_ids = rollout.stop_token_ids(tokenizer) + (rollout.line_break_ids(tokenizer) if memory else [])
     summary, results = evaluate(
         model, tokenizer, records, k=args.k, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, max_new_tokens=max_new_tokens, template=template,
+        top_k=args.top_k, max_new_tokens=max_new_tokens, template=template, stop_ids=stop_ids,
         batch_size=args.batch_size, seed=args.seed, progress=not args.quiet)
     out, write_error = args.out, None
     try:

@@ -31,11 +31,11 @@ import config
 import dapo
 import data
 import episodes
+import evaluation
 import quantize
 import runs
 import sharding
 import tracking
-import verify
 from checkpoints import cpu_has_bf16, load_model, save_model
 from distributed import gather, setup_distributed
 from lora import add_lora
@@ -367,43 +367,21 @@ def load_checkpoint(run):
 
 # ---- held-out evaluation and the end of a run ----------------------------------------------------
 
-@torch.no_grad()
-def heldout_accuracy(run, samples=1, temperature=0.0, top_p=1.0, rows_per_call=64):
-    """Mean accuracy of `samples` episodes of each held-out problem: greedy pass@1, or avg@k at
-    a temperature as DAPO reports (eval.py also reports pass@k and maj@k). -> (accuracy, mean
-    length of a turn, truncated fraction of turns)"""
-    args, tokenizer = run.args, run.tokenizer
-    first_prompts = [data.format_prompt(episodes.next_turn(r, 0), tokenizer, args.template)
-                     for r in run.heldout]
-    order = sorted(range(len(run.heldout)), key=lambda i: len(first_prompts[i]))  # less padding
-    right, length, truncated, turns = 0, 0, 0, 0
-    per_call = max(1, rows_per_call // samples)
-    for at in range(0, len(order), per_call):
-        rows = order[at:at + per_call]
-        played = episodes.play(run.sampler.eval(), tokenizer, [run.heldout[i] for i in rows],
-                               samples, at, template=args.template, max_new_tokens=args.max_new_tokens,
-                               temperature=temperature, top_p=top_p, stop_token_ids=run.stop_ids,
-                               compile=config.compile_choice(args))
-        for j, episode in enumerate(played):  # prompt-major: problem rows[j // samples]
-            right += verify.is_correct(episode[-1].text, run.heldout[rows[j // samples]]["answer"])
-            length += sum(len(t.completion.tokens) for t in episode)
-            truncated += sum(t.completion.finish_reason == "length" for t in episode)
-            turns += len(episode)
-    n = len(run.heldout) * samples
-    return right / n, length / max(1, turns), truncated / max(1, turns)
-
-
 def evaluate_and_log(run, progress):
-    """Held-out accuracy, greedy (and avg@k with --eval-samples), into eval.jsonl."""
+    """Held-out accuracy, greedy (and avg@k with --eval-samples), into eval.jsonl: eval.py's
+    evaluation (evaluation.evaluate), on the sampler copy."""
     args, started = run.args, time.perf_counter()
-    accuracy, length, truncated = heldout_accuracy(run)
-    result = {"pass@1": accuracy, "n": len(run.heldout), "mean_length": length, "truncated": truncated}
+    settings = dict(max_new_tokens=args.max_new_tokens, template=args.template, stop_ids=run.stop_ids,
+                    compile=config.compile_choice(args), progress=False)
+    greedy, _ = evaluation.evaluate(run.sampler, run.tokenizer, run.heldout, **settings)
+    result = {key: greedy[key] for key in ("pass@1", "n", "mean_length", "truncated")}
     if args.eval_samples:
-        result["avg@k"], _, _ = heldout_accuracy(run, args.eval_samples, args.eval_temperature,
-                                                  args.eval_top_p)
-        result["k"] = args.eval_samples
+        sampled, _ = evaluation.evaluate(run.sampler, run.tokenizer, run.heldout, k=args.eval_samples,
+                                         temperature=args.eval_temperature, top_p=args.eval_top_p,
+                                         **settings)
+        result.update({"avg@k": sampled["avg@k"], "k": args.eval_samples})
     sampled = f", avg@{args.eval_samples} {result['avg@k']:.3f}" if args.eval_samples else ""
-    print(f"step {progress.step}: held-out accuracy {accuracy:.3f}{sampled} on {result['n']} "
+    print(f"step {progress.step}: held-out accuracy {result['pass@1']:.3f}{sampled} on {result['n']} "
           f"problems ({time.perf_counter() - started:.0f} s)", flush=True)
     row = {"step": progress.step, "train_seconds": progress.train_seconds, **result}
     runs.append_line(os.path.join(run.args.out, "eval.jsonl"), row)

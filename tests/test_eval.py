@@ -17,6 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval as ev  # noqa: E402
+import evaluation  # noqa: E402
 import verify  # noqa: E402
 from conftest import EOS_ID, tiny_checkpoint  # noqa: E402
 
@@ -39,7 +40,7 @@ REQUIRED = ("model", "data", "n", "k", "pass@1", "avg@k", "pass@k", "maj@k", "te
     (4, 1, 4, 1.0),         # n = k: "any correct"
 ])
 def test_pass_at_k_hand_computed(n, c, k, expected):
-    assert ev.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+    assert evaluation.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
 
 
 def test_pass_at_k_matches_binomials_and_is_stable():
@@ -47,22 +48,22 @@ def test_pass_at_k_matches_binomials_and_is_stable():
         for c in range(n + 1):
             for k in range(1, n + 1):
                 exact = 1 - math.comb(n - c, k) / math.comb(n, k)
-                assert ev.pass_at_k(n, c, k) == pytest.approx(exact, abs=1e-12)
+                assert evaluation.pass_at_k(n, c, k) == pytest.approx(exact, abs=1e-12)
     # the product form never builds C(1000, 500) (~1e299) and stays in [0, 1]
-    assert 0.0 <= ev.pass_at_k(1000, 1, 500) == pytest.approx(0.5)
+    assert 0.0 <= evaluation.pass_at_k(1000, 1, 500) == pytest.approx(0.5)
     with pytest.raises(ValueError):
-        ev.pass_at_k(5, 6, 1)
+        evaluation.pass_at_k(5, 6, 1)
     with pytest.raises(ValueError):
-        ev.pass_at_k(5, 2, 0)
+        evaluation.pass_at_k(5, 2, 0)
 
 
 def test_majority_vote_normalises_and_breaks_ties_by_first_occurrence():
     # "1,000", "1000" and "1000.0" are one answer: 3 votes beat "5" with 2
-    assert ev.majority_vote(["5", "1,000", "1000", None, "5", "1000.0"]) == ("1,000", 3)
-    assert ev.majority_vote(["7", "8", "8", "7"]) == ("7", 2)  # tie: first seen wins
-    assert ev.majority_vote(["\\frac{1}{2}", "0.5", "1/3"]) == ("\\frac{1}{2}", 2)
-    assert ev.majority_vote([None, None]) == (None, 0)
-    assert ev.majority_vote([]) == (None, 0)
+    assert evaluation.majority_vote(["5", "1,000", "1000", None, "5", "1000.0"]) == ("1,000", 3)
+    assert evaluation.majority_vote(["7", "8", "8", "7"]) == ("7", 2)  # tie: first seen wins
+    assert evaluation.majority_vote(["\\frac{1}{2}", "0.5", "1/3"]) == ("\\frac{1}{2}", 2)
+    assert evaluation.majority_vote([None, None]) == (None, 0)
+    assert evaluation.majority_vote([]) == (None, 0)
 
 
 def _result(correct, voted_correct, lengths=None, reasons=None):
@@ -77,7 +78,7 @@ def test_summarize_hand_made():
         _result([False, False, False, False], False),
         _result([True, True, True, False], True, reasons=["length"] * 4),
     ]
-    s = ev.summarize(results, k=4)
+    s = evaluation.summarize(results, k=4)
     assert s["n"] == 3 and s["k"] == 4
     assert s["avg@k"] == pytest.approx((1 / 4 + 0 + 3 / 4) / 3)
     assert s["pass@1"] == pytest.approx(s["avg@k"])
@@ -89,7 +90,7 @@ def test_summarize_hand_made():
 
 def test_maj_at_k_counts_normalised_votes():
     """A problem whose samples say "1,000", "1000", "999": voted "1,000", correct against 1000."""
-    voted, votes = ev.majority_vote(["1,000", "1000", "999"])
+    voted, votes = evaluation.majority_vote(["1,000", "1000", "999"])
     assert votes == 2 and verify.answers_equal(voted, "1000")
     assert verify.answers_equal("0.5", "\\frac{1}{2}") and verify.answers_equal("72", "#### 72")
     assert not verify.answers_equal("999", "1000") and not verify.answers_equal(None, "1")
@@ -97,8 +98,8 @@ def test_maj_at_k_counts_normalised_votes():
 
 def test_plain_continuation_is_cut():
     text = " 12\n\nQuestion: What is 3 + 4?\nAnswer: 7"
-    assert ev._cut_plain_continuation(text) == " 12"
-    assert ev._cut_plain_continuation("Answer: 5") == "Answer: 5"
+    assert evaluation._cut_plain_continuation(text) == " 12"
+    assert evaluation._cut_plain_continuation("Answer: 5") == "Answer: 5"
 
 
 def test_defaults_depend_on_data(tmp_path, monkeypatch):
@@ -110,8 +111,14 @@ def test_defaults_depend_on_data(tmp_path, monkeypatch):
     path = tmp_path / "gsm8k"
     path.mkdir()
     (path / "test.jsonl").write_text("{}\n")
-    assert ev.default_out_path(str(path / "test.jsonl")).startswith("eval-gsm8k-test-")
-    assert ev.default_out_path("arithmetic:digits=2,ops=+-").startswith("eval-arithmetic-digits=2-ops=-")
+    assert ev.default_out_path(str(path / "test.jsonl")).startswith(
+        os.path.join("runs", "eval", "eval-gsm8k-test-"))
+    assert ev.default_out_path("arithmetic:digits=2,ops=+-").startswith(
+        os.path.join("runs", "eval", "eval-arithmetic-digits=2-ops=-"))  # the bundled model
+    assert ev.default_out_path("gsm8k", "Qwen/Qwen2.5-0.5B").startswith(os.path.join("runs", "eval", ""))
+    (tmp_path / "run" / "final").mkdir(parents=True)  # a run's model: into the run's folder
+    assert ev.default_out_path("memory", str(tmp_path / "run" / "final")).startswith(
+        str(tmp_path / "run" / "eval-memory-"))
 
 
 # ----------------------------------------------------------------------------- tokenizers, models
@@ -171,7 +178,7 @@ def test_evaluate_in_process(tiny_ckpt):
     records = data.load_records("arithmetic", split="test", limit=5)
     kwargs = dict(k=3, temperature=1.0, max_new_tokens=6, template="none", batch_size=2, seed=1,
                   progress=False)
-    summary, results = ev.evaluate(model, tokenizer, records, **kwargs)
+    summary, results = evaluation.evaluate(model, tokenizer, records, **kwargs)
     assert model.training  # put back as it was
     assert [r["id"] for r in results] == [r["id"] for r in records]
     for row, record in zip(results, records):
@@ -181,10 +188,10 @@ def test_evaluate_in_process(tiny_ckpt):
     assert summary["n"] == 5 and summary["k"] == 3
     for key in ("pass@1", "avg@k", "pass@k", "maj@k", "truncated"):
         assert 0.0 <= summary[key] <= 1.0
-    again, results_again = ev.evaluate(model, tokenizer, records, **kwargs)
+    again, results_again = evaluation.evaluate(model, tokenizer, records, **kwargs)
     assert [r["responses"] for r in results_again] == [r["responses"] for r in results]
     with pytest.raises(ValueError, match="greedy"):
-        ev.evaluate(model, tokenizer, records, k=2, temperature=0.0, progress=False)
+        evaluation.evaluate(model, tokenizer, records, k=2, temperature=0.0, progress=False)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -236,12 +243,14 @@ def test_cli_end_to_end(chat_ckpt, tmp_path, data_name):
 def test_cli_sampled_k_and_default_out(chat_ckpt, tmp_path):
     proc = run_cli("--model", chat_ckpt, "--data", "arithmetic", "--limit", "3", "--k", "4",
                    "--max-new-tokens", "4", "--top-p", "0.7", cwd=tmp_path)
-    outs = list(tmp_path.glob("eval-arithmetic-*.jsonl"))
-    assert len(outs) == 1  # the default name, in the current directory
+    beside = Path(chat_ckpt).parent
+    outs = list(beside.glob("eval-arithmetic-*.jsonl"))
+    assert len(outs) == 1 and not list(tmp_path.iterdir())  # beside the model, not in the cwd
     line, rows = check_cli_run(proc, outs[0], 3, "arithmetic")
     assert line["k"] == 4 and line["temperature"] == 1.0 and line["top_p"] == 0.7
     assert "eval:" in proc.stderr  # the progress bar
-    assert not list(tmp_path.glob(".eval-*"))  # no temporary file left behind
+    assert not list(beside.glob(".eval-*"))  # no temporary file left behind
+    outs[0].unlink()
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -349,3 +358,39 @@ def test_summary_line_survives_a_failed_write(tiny_ckpt, tmp_path, capsys, monke
     line = json.loads(captured.out.strip().splitlines()[-1])
     assert exit_info.value.code == 1 and line["n"] == 2 and line["out"] is None
     assert "No space left on device" in captured.err
+
+
+# ----------------------------------------------------------------------------- one evaluation path
+
+@pytest.fixture(scope="module")
+def digit_model(tmp_path_factory):
+    """train.py's tiny digit model, with room for a diary page's prompt."""
+    from test_train import digit_checkpoint
+    return digit_checkpoint(tmp_path_factory.mktemp("digits") / "model", context=160)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["arithmetic", "memory:pages=2,min=0,max=4,filler=0"])
+def test_eval_py_gives_train_py_numbers_for_the_same_checkpoint(digit_model, tmp_path, task):
+    """train.py's held-out evaluation after its step and eval.py on the run's final/ are one
+    path: the same greedy pass@1, lengths and truncation, and the same sampled avg@k."""
+    from test_train import BASE, run_train
+    out = tmp_path / "run"
+    run_train(["--model", digit_model, "--data", task, "--eval-limit", "6", "--eval-samples", "3",
+               "--steps", "1", "--out", str(out)] + BASE)
+    trained = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
+    assert trained["step"] == 1 and trained["n"] == 6
+    common = ["--model", str(out / "final"), "--data", task, "--limit", "6", "--max-new-tokens", "3",
+              "--dtype", "float32", "--quiet"]
+    greedy = run_cli(*common, "--out", str(tmp_path / "greedy.jsonl"))
+    sampled = run_cli(*common, "--k", "3", "--temperature", "1.0", "--top-p", "0.7",
+                      "--out", str(tmp_path / "sampled.jsonl"))
+    assert greedy.returncode == 0 and sampled.returncode == 0, greedy.stderr[-2000:] + sampled.stderr[-2000:]
+    greedy, sampled = (json.loads(proc.stdout.splitlines()[-1]) for proc in (greedy, sampled))
+    for key in ("pass@1", "n", "mean_length", "truncated"):
+        assert greedy[key] == pytest.approx(trained[key], abs=1e-6), key
+    assert sampled["avg@k"] == pytest.approx(trained["avg@k"], abs=1e-6)
+    rows = [json.loads(line) for line in (tmp_path / "greedy.jsonl").read_text().splitlines()]
+    if task.startswith("memory"):  # every episode's replies, page by page
+        assert all(len(row["transcripts"][0]) == row["turns"][0] >= 1 for row in rows)
+        assert max(row["turns"][0] for row in rows) == 2
