@@ -82,10 +82,13 @@ class Progress:
 class StopRequest:
     """SIGTERM (a scheduler preempting the job) and SIGINT (Ctrl-C) ask the run to stop at the
     end of the step under way, with a checkpoint; the same signal again stops it at once (the last
-    checkpoint stays whole: checkpoints are written aside, then renamed)."""
+    checkpoint stays whole: checkpoints are written aside, then renamed). A repeat within
+    REPEAT_SECONDS is the same request: under torchrun a scheduler that signals every process
+    of the job reaches a rank twice, directly and forwarded by torchrun."""
+    REPEAT_SECONDS = 2.0
 
     def __init__(self):
-        self.signum, self.before = None, {}
+        self.signum, self.before, self.asked_at = None, {}, None
         if threading.current_thread() is threading.main_thread():  # (signals reach it alone)
             self.before = {signum: signal.signal(signum, self.ask)
                            for signum in (signal.SIGTERM, signal.SIGINT)}
@@ -99,11 +102,13 @@ class StopRequest:
             signal.signal(signum, handler)
 
     def ask(self, signum, frame):
+        if self.signum is not None and time.monotonic() - self.asked_at < self.REPEAT_SECONDS:
+            return  # the same request, forwarded
         if self.signum is not None:  # asked twice: the system's own end of the process
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.signum = signum
+        self.signum, self.asked_at = signum, time.monotonic()
         print(f"\n{signal.Signals(signum).name}: stopping at the end of this step, with a checkpoint "
               "(the same signal again stops at once)", file=sys.stderr, flush=True)
 
@@ -384,7 +389,7 @@ def evaluate_and_log(run, progress):
     print(f"step {progress.step}: held-out accuracy {result['pass@1']:.3f}{sampled} on {result['n']} "
           f"problems ({time.perf_counter() - started:.0f} s)", flush=True)
     row = {"step": progress.step, "train_seconds": progress.train_seconds, **result}
-    runs.append_line(os.path.join(run.args.out, "eval.jsonl"), row)
+    append_log(run, "eval.jsonl", row)
     run.tracker.log(row, progress.step, prefix="eval/")
     return result
 
@@ -393,9 +398,9 @@ def log_step(run, progress, row, examples, bar):
     """Rank 0 after a step: its row into metrics.jsonl, a few completions into samples.jsonl, the
     progress bar, and the held-out evaluation every --eval-every steps."""
     args = run.args
-    runs.append_line(os.path.join(args.out, "metrics.jsonl"), row)
+    append_log(run, "metrics.jsonl", row)
     for line in examples:
-        runs.append_line(os.path.join(args.out, "samples.jsonl"), line)
+        append_log(run, "samples.jsonl", line)
     run.tracker.log(row, row["step"])
     run.tracker.log_samples(examples, row["step"])
     bar.update(1)
@@ -404,6 +409,16 @@ def log_step(run, progress, row, examples, bar):
                         f"len {row['response_length']:.0f} | {progress.train_seconds / 60:.1f}{limit} min")
     if run.heldout and args.eval_every and progress.step % args.eval_every == 0:
         evaluate_and_log(run, progress)
+
+
+def append_log(run, name, row):
+    """A line into one of the run's logs; a full disk ends the run in one line (on --resume the
+    steps after the last checkpoint run again, and a torn line is set aside: runs.trim_log)."""
+    try:
+        runs.append_line(os.path.join(run.args.out, name), row)
+    except OSError as error:
+        sys.exit(f"train.py: {run.args.out}/{name}: could not write ({error.strerror or error}); the "
+                 f"last checkpoint is whole: free some space and run python train.py --resume {run.args.out}")
 
 
 def print_seconds(step, row):

@@ -213,13 +213,15 @@ def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_
 @torch.no_grad()
 def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, temperature=1.0,
              top_p=1.0, top_k=0, stop_token_ids=(), seed=0, compile=None, compact_fraction=0.25,
-             check_every=None, record_routing=False):
+             check_every=None, record_routing=False, stream=None):
     """prompts: list of token-id lists; num_samples: int, or one int per prompt; seed: int, or one
     int per prompt. compile: run the decode step through torch.compile (None: where it is faster,
     see `compiled_by_default`). check_every: steps between the host's looks at which rows have
     stopped (None: 8 on a GPU, where a look stalls the queue of kernels; 1 on a CPU, where it
     costs nothing and each look can end the loop sooner). record_routing: on an MoE model, each
     Completion's `.routing` holds the experts every position went to (for routing replay).
+    stream: called with the tokens so far, (B, steps), at each of the host's looks (demo.py's
+    live text; a stopped row's tokens after its stop are 0).
 
     -> list[Completion], prompt-major. The same seed gives the same samples.
     """
@@ -252,6 +254,8 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
         if step + 1 == max_new_tokens:
             break
         if (step + 1) % check_every == 0:
+            if stream:
+                stream(out_tokens[:, :step + 1])
             done, rows = look_at_stops(stopped, active, compact_fraction)
             if done:
                 break

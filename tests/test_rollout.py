@@ -541,6 +541,23 @@ def test_compiled_step_equals_eager(tiny, family):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
 
 
+def test_stream_sees_each_prefix_of_the_result_at_each_check(tiny):
+    """generate(stream=...) is called at every host look with the tokens so far: prefixes of the
+    final completions (zeros past a row's stop), and the samples are the same as without it."""
+    model = tiny("llama3")
+    prompts = tiny_prompts(model.config.vocab_size)
+    kwargs = dict(num_samples=2, max_new_tokens=12, temperature=1.0, stop_token_ids=[5, 9], seed=3,
+                  compile=False, check_every=4)
+    seen = []
+    streamed = generate(model, prompts, stream=lambda tokens: seen.append(tokens.tolist()), **kwargs)
+    assert [c.tokens for c in streamed] == [c.tokens for c in generate(model, prompts, **kwargs)]
+    assert [len(tokens[0]) for tokens in seen] == [4, 8][:len(seen)] and seen
+    for tokens in seen:
+        for row, completion in zip(tokens, streamed):
+            cut = min(len(row), len(completion.tokens))
+            assert row[:cut] == completion.tokens[:cut] and not any(row[cut:])
+
+
 def test_the_decode_loop_reads_the_host_once_per_check(tiny, monkeypatch):
     """Between the first decode step and the end, the host reads a device value only at the
     checks every `check_every` steps (on CUDA each read would stall the stream)."""

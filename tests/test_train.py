@@ -1193,6 +1193,49 @@ def test_a_signal_stops_at_a_step_with_a_checkpoint(tiny, tmp_path, signum):
     assert_same_run(straight, stopped)
 
 
+def test_a_repeated_signal_within_two_seconds_is_the_same_request(monkeypatch, capsys):
+    """A scheduler signalling every process of a torchrun job reaches each rank twice (directly
+    and forwarded by torchrun): one request. A signal again later stops the process at once."""
+    import launch
+    killed = []
+    with launch.StopRequest() as stop:
+        monkeypatch.setattr(os, "kill", lambda pid, signum: killed.append(signum))
+        stop.ask(signal.SIGTERM, None)
+        stop.ask(signal.SIGTERM, None)
+        assert stop.signum == signal.SIGTERM and killed == []
+        stop.asked_at -= launch.StopRequest.REPEAT_SECONDS
+        stop.ask(signal.SIGTERM, None)
+        assert killed == [signal.SIGTERM]
+    assert capsys.readouterr().err.count("SIGTERM: stopping at the end of this step") == 1
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_torchrun_job_stops_every_rank_at_one_step_with_a_checkpoint(tiny, tmp_path):
+    """A scheduler's SIGTERM to the whole torchrun job (torchrun and its two ranks, as one
+    process group): both ranks end the same step, rank 0 checkpoints and says so, and a torchrun
+    --resume then equals the run never stopped."""
+    model_dir, data_file = tiny
+    common = ["--model", model_dir, "--data", data_file, "--steps", "8"] + BASE
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    launcher = torchrun() + ["--shutdown-timeout", "120"]  # the ranks' time to end their step
+    run_train(common + ["--out", str(straight)], launcher=launcher)
+    proc = subprocess.Popen(launcher + [str(ROOT / "train.py")] + common + ["--out", str(stopped)],
+                            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (
+            (stopped / "metrics.jsonl").exists() and (stopped / "metrics.jsonl").read_text().strip()):
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    steps = [r["step"] for r in metrics(stopped)]
+    assert steps == list(range(1, len(steps) + 1)) and 1 <= len(steps) < 8, stderr[-3000:]
+    assert f"stopped after step {len(steps)}, checkpointed" in stdout, stdout[-2000:] + stderr[-3000:]
+    assert (stopped / "checkpoint.pt").exists() and not (stopped / "final").exists()
+    run_train(["--resume", str(stopped)], launcher=torchrun())
+    assert_same_run(straight, stopped)
+
+
 def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_one_before_stays(tiny, tmp_path, monkeypatch):
     """A full disk while a checkpoint is written: torch raises its own RuntimeError halfway
     through the file. The run says so in one line (an exit, no traceback), leaves no half file,
@@ -1222,6 +1265,40 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_one_before_stays(tiny, 
     assert "the one before is kept" in message
     assert not (out / "checkpoint.pt.tmp").exists()
     assert runs.load_checkpoint(str(out))["progress"]["step"] == 1
+
+
+def test_a_full_disk_at_a_log_line_is_one_line_and_resume_holds_each_step_once(tiny, tmp_path,
+                                                                                monkeypatch):
+    """The disk fills while step 3's metrics line is written (half of it got out): one line
+    says so; --resume goes on from the checkpoint, the torn line set aside, each step once."""
+    import errno
+    import gc
+    import runs
+    import train
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    real_append = runs.append_line
+
+    def append_until_the_disk_is_full(path, row):
+        if path.endswith("metrics.jsonl") and row["step"] == 3:
+            with open(path, "a") as f:
+                f.write('{"step": 3, "upd')
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_append(path, row)
+
+    monkeypatch.setattr(runs, "append_line", append_until_the_disk_is_full)
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--model", model_dir, "--data", data_file, "--steps", "4", "--checkpoint-every",
+                    "2", "--out", str(out)] + BASE)
+    message = str(stopped.value.code)
+    assert message == (f"train.py: {out}/metrics.jsonl: could not write (No space left on device); the "
+                       f"last checkpoint is whole: free some space and run python train.py --resume {out}")
+    del stopped
+    gc.collect()  # the run's lock on its directory goes with the run
+    monkeypatch.undo()
+    proc = run_train(["--resume", str(out)])
+    assert "1 unreadable line(s)" in proc.stderr
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
 
 
 def test_a_full_disk_at_final_is_one_line_and_resume_writes_it(tiny, tmp_path, monkeypatch):
