@@ -45,18 +45,21 @@ class Answerer:
         self.stop_ids = rollout.stop_token_ids(tokenizer)
         self.lock = threading.Lock()
 
-    def prompt(self, question):
-        return data.format_prompt({"prompt": question}, self.tokenizer, self.template)
-
-    def answer(self, prompt_ids, temperature, max_new_tokens, on_text):
-        """Samples one response, calling on_text(text so far) as it grows -> the whole text."""
+    def answer(self, question, temperature, max_new_tokens, on_text):
+        """Samples one response, calling on_text(text so far) as it grows -> the whole text.
+        Refused when the prompt and the budget do not fit the model's context."""
         def stream(tokens):  # (1, steps); a stopped row's tail is zeros, cut at the stop
             on_text(self.tokenizer.decode(self.until_stop(tokens[0].tolist()), skip_special_tokens=True))
-        with self.lock:
+        with self.lock:  # the tokenizer too: a fast tokenizer is not to be shared between threads
+            prompt_ids = data.format_prompt({"prompt": question}, self.tokenizer, self.template)
+            context = self.model.config.max_seq_len
+            if len(prompt_ids) + max_new_tokens > context:
+                raise Refused(f"the problem ({len(prompt_ids)} tokens) and the budget "
+                              f"({max_new_tokens}) do not fit the model's context of {context}")
             [completion] = rollout.generate(
                 self.model, [prompt_ids], max_new_tokens=max_new_tokens, temperature=temperature,
                 stop_token_ids=self.stop_ids, seed=random.getrandbits(62), compile=False, stream=stream)
-        return self.tokenizer.decode(completion.tokens, skip_special_tokens=True)
+            return self.tokenizer.decode(completion.tokens, skip_special_tokens=True)
 
     def until_stop(self, tokens):
         ends = [i for i, token in enumerate(tokens) if token in self.stop_ids]
@@ -112,12 +115,18 @@ def read_request(query, answerers):
 
 class Handler(BaseHTTPRequestHandler):
     """The page, the problems, and one streamed answer per request. The server object carries
-    `answerers` (name -> Answerer) and `problems` (a list of {"prompt", "answer"})."""
+    `answerers` (name -> Answerer), `problems` (a list of {"prompt", "answer"}) and `hosts` (the
+    Host headers it answers: another site's page that points a browser here is refused)."""
+    timeout = 60  # seconds: a page that stops reading frees its model
 
     def do_GET(self):
         url = urlparse(self.path)
-        if url.path == "/":
-            self.send_body(PAGE.encode(), "text/html; charset=utf-8")
+        if self.headers.get("Host", "").rsplit(":", 1)[0] not in self.server.hosts:
+            self.send_error(403, "this demo answers pages it serves itself")
+        elif url.path == "/":
+            page = PAGE.replace("MAX_QUESTION_CHARS", str(MAX_QUESTION_CHARS)).replace(
+                "MAX_ANSWER_CHARS", str(MAX_ANSWER_CHARS))
+            self.send_body(page.encode(), "text/html; charset=utf-8")
         elif url.path == "/problems":
             self.send_body(json.dumps({
                 "problems": self.server.problems,
@@ -143,21 +152,18 @@ class Handler(BaseHTTPRequestHandler):
         try:
             answerer, question, reference, temperature, max_new_tokens = \
                 read_request(query, self.server.answerers)
-            prompt_ids = answerer.prompt(question)
-            context = answerer.model.config.max_seq_len
-            if len(prompt_ids) + max_new_tokens > context:
-                raise Refused(f"the problem ({len(prompt_ids)} tokens) and the budget "
-                              f"({max_new_tokens}) do not fit the model's context of {context}")
-        except Refused as reason:
-            return self.send_event("refused", {"error": str(reason)})
-        try:
-            text = answerer.answer(prompt_ids, temperature, max_new_tokens,
+            text = answerer.answer(question, temperature, max_new_tokens,
                                    lambda so_far: self.send_event("text", {"text": so_far}))
             self.send_event("done", {"text": text, "answer": verify.extract_answer(text),
                                      "verdict": None if reference is None else
                                      ("correct" if verify.is_correct(text, reference) else "wrong")})
-        except (BrokenPipeError, ConnectionResetError):  # the page was closed: stop sampling
+        except Refused as reason:
+            self.send_event("refused", {"error": str(reason)})
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the page went: stop sampling
             pass
+        except Exception as error:  # said on the page and here, and the server goes on
+            print(f"demo.py: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            self.send_event("refused", {"error": f"the model failed: {type(error).__name__}: {error}"})
 
     def send_event(self, kind, payload):
         self.wfile.write(f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode())
@@ -187,9 +193,9 @@ PAGE = """<!doctype html>
 <h2>A trained model beside its base</h2>
 <form id="ask">
  <div class="row"><label>A held-out problem <select id="problems"><option value="">(type your own)</option></select></label></div>
- <textarea id="question" maxlength="4000" placeholder="What is 17 + 25?"></textarea>
+ <textarea id="question" maxlength="MAX_QUESTION_CHARS" placeholder="What is 17 + 25?"></textarea>
  <div class="row">
-  <label>Reference answer <input id="reference" size="12"></label>
+  <label>Reference answer <input id="reference" size="12" maxlength="MAX_ANSWER_CHARS"></label>
   <label>Temperature <input id="temperature" value="0" size="4"></label>
   <label>Token budget <input id="max_new_tokens" value="256" size="5"></label>
   <button id="go" type="submit">Ask both</button>
@@ -219,7 +225,8 @@ function ask(which) {
   box.querySelector(".extracted").textContent = "";
   const verdict = box.querySelector(".verdict");
   verdict.textContent = ""; verdict.className = "verdict";
-  const events = new EventSource("/answer?" + query);
+  if (box.events) box.events.close();  // a new question: the last one's stream ends
+  const events = box.events = new EventSource("/answer?" + query);
   events.addEventListener("text", (e) => { box.querySelector(".text").textContent = JSON.parse(e.data).text; });
   events.addEventListener("done", (e) => {
     const done = JSON.parse(e.data);
@@ -255,7 +262,8 @@ def parse_args(argv=None):
     parser.add_argument("--data", default="arithmetic", help="where the page's problems come from: "
                         "held-out problems of any one-turn --data of train.py (default: arithmetic)")
     parser.add_argument("--template", choices=data.TEMPLATES, default=None, help="prompt template "
-                        "(default: the run's, from its config.json beside final/; else none)")
+                        "of both models (default: the trained run's, from its config.json beside "
+                        "final/; else none)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, "
                         "this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free one)")
@@ -265,12 +273,12 @@ def parse_args(argv=None):
     return parser, args
 
 
-def load(parser, flag, path, dtype, template):
+def load_answerer(parser, flag, path, dtype, template):
     try:
         model, tokenizer = checkpoints.load_model(path, dtype=dtype, device="cpu")
     except (OSError, ValueError) as error:
         parser.error(f"argument {flag}: {error}")
-    return model.eval(), tokenizer, run_template(path, "none") if template is None else template
+    return Answerer(path or "bundled SmolLM2-135M-Instruct", model.eval(), tokenizer, template)
 
 
 def main(argv=None):
@@ -281,15 +289,15 @@ def main(argv=None):
     except data.DataError as error:
         parser.error(f"argument --data: {error}")
     dtype = torch.bfloat16 if checkpoints.cpu_has_bf16() else torch.float32
-    answerers = {}
-    for name, flag, path in (("trained", "--model", args.model), ("base", "--base", args.base)):
-        model, tokenizer, template = load(parser, flag, path, dtype, args.template)
-        answerers[name] = Answerer(path or "bundled SmolLM2-135M-Instruct", model, tokenizer, template)
+    template = args.template or run_template(args.model, "none")  # both asked the same way
+    answerers = {"trained": load_answerer(parser, "--model", args.model, dtype, template),
+                 "base": load_answerer(parser, "--base", args.base, dtype, template)}
     try:
         server = ThreadingHTTPServer((args.host, args.port), Handler)
     except OSError as error:
         parser.error(f"argument --port: cannot listen on {args.host}:{args.port}: {error.strerror or error}")
     server.answerers, server.problems = answerers, problems
+    server.hosts = {"127.0.0.1", "localhost", "[::1]"} | ({args.host} if args.host not in ("", "0.0.0.0") else set())
     server.daemon_threads = True
     print(f"serving http://{args.host}:{server.server_address[1]}/ (Ctrl-C stops)", flush=True)
     try:

@@ -6,7 +6,10 @@ How one evaluation runs (`evaluate`):
 1. Each record is an episode (episodes.py): a math problem one turn, a memory diary a turn a page.
    Records are sorted by the length of their first prompt (less padding) and played in batches of
    `batch_size` records x k episodes with episodes.play (rollout.generate, turn by turn).
-2. Each episode's last reply, where its answer is, is scored with verify.is_correct.
+2. Each episode's last reply, where its answer is, is scored with verify.is_correct; a reply to
+   a plain prompt (no chat template, or the plain-question template) is cut where the model
+   starts inventing the next "Question:". Sampled episodes are seeded per record from `seed` and
+   its batch's index: the same settings (batch size included) give the same samples.
 
 Metrics (per problem i with c_i correct of n = k samples, then averaged over the N problems):
 - pass@1: the probability that one sample is right. Greedy (temperature 0, k 1): the greedy

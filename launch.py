@@ -81,10 +81,10 @@ class Progress:
 
 class StopRequest:
     """SIGTERM (a scheduler preempting the job) and SIGINT (Ctrl-C) ask the run to stop at the
-    end of the step under way, with a checkpoint; the same signal again stops it at once (the last
-    checkpoint stays whole: checkpoints are written aside, then renamed). A repeat within
-    REPEAT_SECONDS is the same request: under torchrun a scheduler that signals every process
-    of the job reaches a rank twice, directly and forwarded by torchrun."""
+    end of the step under way, with a checkpoint; the same signal again, REPEAT_SECONDS or more
+    later, stops it at once (the last checkpoint stays whole: checkpoints are written aside, then
+    renamed). A repeat sooner is the same request: under torchrun a scheduler that signals every
+    process of the job reaches a rank twice, directly and forwarded by torchrun."""
     REPEAT_SECONDS = 2.0
 
     def __init__(self):
@@ -102,7 +102,7 @@ class StopRequest:
             signal.signal(signum, handler)
 
     def ask(self, signum, frame):
-        if self.signum is not None and time.monotonic() - self.asked_at < self.REPEAT_SECONDS:
+        if self.signum == signum and time.monotonic() - self.asked_at < self.REPEAT_SECONDS:
             return  # the same request, forwarded
         if self.signum is not None:  # asked twice: the system's own end of the process
             signal.signal(signum, signal.SIG_DFL)
@@ -110,7 +110,8 @@ class StopRequest:
             return
         self.signum, self.asked_at = signum, time.monotonic()
         print(f"\n{signal.Signals(signum).name}: stopping at the end of this step, with a checkpoint "
-              "(the same signal again stops at once)", file=sys.stderr, flush=True)
+              f"(the same signal again, {self.REPEAT_SECONDS:g} s or more later, stops at once)",
+              file=sys.stderr, flush=True)
 
 
 # ---- setup ---------------------------------------------------------------------------------------
@@ -385,8 +386,8 @@ def evaluate_and_log(run, progress):
                                          temperature=args.eval_temperature, top_p=args.eval_top_p,
                                          **settings)
         result.update({"avg@k": sampled["avg@k"], "k": args.eval_samples})
-    sampled = f", avg@{args.eval_samples} {result['avg@k']:.3f}" if args.eval_samples else ""
-    print(f"step {progress.step}: held-out accuracy {result['pass@1']:.3f}{sampled} on {result['n']} "
+    avg_text = f", avg@{args.eval_samples} {result['avg@k']:.3f}" if args.eval_samples else ""
+    print(f"step {progress.step}: held-out accuracy {result['pass@1']:.3f}{avg_text} on {result['n']} "
           f"problems ({time.perf_counter() - started:.0f} s)", flush=True)
     row = {"step": progress.step, "train_seconds": progress.train_seconds, **result}
     append_log(run, "eval.jsonl", row)

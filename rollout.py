@@ -255,7 +255,7 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
             break
         if (step + 1) % check_every == 0:
             if stream:
-                stream(out_tokens[:, :step + 1])
+                stream(out_tokens[:, :step + 1].clone())  # (B, steps), the caller's to keep
             done, rows = look_at_stops(stopped, active, compact_fraction)
             if done:
                 break

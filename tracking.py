@@ -33,7 +33,7 @@ def parse_report_to(text):
     return list(dict.fromkeys(names))  # each once, in the order given
 
 
-def numbers(row, prefix=""):
+def chart_values(row, prefix=""):
     """The entries of a log row that a chart can show: finite numbers (None, lists, text left out)."""
     return {prefix + key: float(value) for key, value in row.items()
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
@@ -55,13 +55,23 @@ class Tracker:
                                                           for key, value in sorted(flags.items())))
         if "wandb" in backends:
             import wandb
-            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "dapo"), dir=out,
-                                    name=os.path.basename(os.path.abspath(out)), config=flags,
-                                    id=wandb_run_id(out), resume="allow")
+            try:
+                self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "dapo"), dir=out,
+                                        name=os.path.basename(os.path.abspath(out)), config=flags,
+                                        id=wandb_run_id(out), resume="allow")
+            except BaseException:
+                self.close()
+                raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        self.close()
 
     def log(self, row, step, prefix=""):
         """A metrics.jsonl row (prefix "") or an eval.jsonl row (prefix "eval/") at `step`."""
-        values = numbers({k: v for k, v in row.items() if k != "step"}, prefix)
+        values = chart_values({k: v for k, v in row.items() if k != "step"}, prefix)
         if self.tensorboard:
             for name, value in values.items():
                 self.tensorboard.add_scalar(name, value, step)
@@ -78,16 +88,20 @@ class Tracker:
             table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
             table += ["| " + " | ".join(table_cell(line[c]) for c in columns) + " |" for line in lines]
             self.tensorboard.add_text("samples", "\n".join(table), step)
+            self.tensorboard.flush()
         if self.wandb:
             import wandb
-            self.wandb.log({"samples": wandb.Table(columns=columns, data=[
-                [line[c] for c in columns] for line in lines])}, step=step)
+            self.wandb.log({"samples": wandb.Table(columns=columns, data=[  # a column, one type
+                [str(line[c]) if c in ("prompt", "answer", "completion") else line[c]
+                 for c in columns] for line in lines])}, step=step)
 
     def close(self):
+        """Flushes and closes each backend (once: a second call does nothing)."""
         if self.tensorboard:
             self.tensorboard.close()
         if self.wandb:
             self.wandb.finish()
+        self.tensorboard = self.wandb = None
 
 
 def table_cell(value):

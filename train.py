@@ -540,19 +540,17 @@ def main(argv=None):
         print(launch.describe(run), flush=True)
         if run.heldout and progress.step == 0:
             launch.evaluate_and_log(run, progress)
-    with launch.StopRequest() as stop:  # SIGTERM, Ctrl-C: at the end of a step, checkpointed
+    with launch.StopRequest() as stop, run.tracker:  # signals: at the end of a step, checkpointed
         progress, ended = train_steps(run, progress, stop)
-    if ended == "stopped":  # not finished: no final/, an exit status that says so
-        if run.rank == 0:
-            print(f"stopped after step {progress.step}, checkpointed: python train.py --resume "
-                  f"{args.out}", flush=True)
-        run.tracker.close()
-        return distributed.shut_down(exit_status=128 + (stop.signum or signal.SIGTERM))
-    if ended == "time" and run.rank == 0:
-        print(f"time limit of {args.time_limit:g} minutes reached after {progress.step} steps", flush=True)
-    if not args.bench:
-        launch.finish(run, progress)  # every rank: under FSDP they gather the weights together
-    run.tracker.close()
+        if ended == "stopped":  # not finished: no final/, an exit status that says so
+            if run.rank == 0:
+                print(f"stopped after step {progress.step}, checkpointed: python train.py --resume "
+                      f"{args.out}", flush=True)
+            return distributed.shut_down(exit_status=128 + (stop.signum or signal.SIGTERM))
+        if ended == "time" and run.rank == 0:
+            print(f"time limit of {args.time_limit:g} minutes reached after {progress.step} steps", flush=True)
+        if not args.bench:
+            launch.finish(run, progress)  # every rank: under FSDP they gather the weights together
     distributed.shut_down()
 
 

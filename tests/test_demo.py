@@ -1,7 +1,7 @@
 """demo.py: the page in headless Chromium (a typed problem gets both streamed answers and a
 verdict; bad input refused on the page), the event stream read directly, each refusal by name.
 
-The browser test needs selenium (requirements.txt) and Debian's chromium and chromium-driver
+The browser tests need selenium (requirements-dev.txt) and Debian's chromium and chromium-driver
 (`apt-get install chromium chromium-driver`, as .ci/run does); it skips, saying so, without them."""
 
 import json
@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def test_each_bad_field_is_refused_by_name():
 def serve_in_thread(answerers, problems):
     server = demo.ThreadingHTTPServer(("127.0.0.1", 0), demo.Handler)
     server.answerers, server.problems, server.daemon_threads = answerers, problems, True
+    server.hosts = {"127.0.0.1"}
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
@@ -183,3 +185,45 @@ def test_the_server_answers_while_the_page_waits(page):
     for thread in threads:
         thread.join(timeout=60)
     assert results == {"trained": "done", "base": "done"}
+
+
+class MarkupAnswerer:
+    """A stand-in model whose answer is markup: the page must show it as text."""
+    name = "<b>stub</b>"
+    text = '<img src=x onerror="document.title=1">**5**'
+
+    def answer(self, question, temperature, max_new_tokens, on_text):
+        on_text(self.text[:10])
+        return self.text
+
+
+def test_a_page_from_elsewhere_is_refused():
+    server = serve_in_thread({"trained": MarkupAnswerer(), "base": MarkupAnswerer()}, [])
+    try:
+        request = urllib.request.Request(f"http://127.0.0.1:{server.server_address[1]}/problems",
+                                         headers={"Host": "attacker.example"})
+        with pytest.raises(urllib.error.HTTPError, match="403"):
+            urllib.request.urlopen(request, timeout=30)
+    finally:
+        server.shutdown()
+
+
+def test_model_text_is_shown_as_text_never_as_markup():
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+    browser = chromium()
+    server = serve_in_thread({"trained": MarkupAnswerer(), "base": MarkupAnswerer()}, [])
+    try:
+        browser.get(f"http://127.0.0.1:{server.server_address[1]}/")
+        WebDriverWait(browser, 30).until(
+            lambda b: b.find_element(By.CSS_SELECTOR, "#trained h3").text == "trained: <b>stub</b>")
+        browser.find_element(By.ID, "question").send_keys("anything")
+        browser.find_element(By.ID, "go").click()
+        WebDriverWait(browser, 30).until(lambda b: all(
+            b.find_element(By.ID, which).get_attribute("data-state") == "done" for which in ("trained", "base")))
+        assert browser.find_element(By.CSS_SELECTOR, "#trained .text").text == MarkupAnswerer.text
+        assert not browser.find_elements(By.CSS_SELECTOR, "img, b") and browser.title != "1"
+        assert browser.find_element(By.CSS_SELECTOR, "#base .verdict").text == "(no reference to check)"
+    finally:
+        browser.quit()
+        server.shutdown()
