@@ -124,3 +124,29 @@ def test_a_missing_backend_names_its_pip_install(monkeypatch):
                         lambda name, *rest: None if name == "wandb" else real(name, *rest))
     with pytest.raises(ValueError, match="pip install wandb"):
         tracking.parse_report_to("wandb")
+
+
+@pytest.mark.slow
+def test_steps_run_again_after_a_kill_are_shown_once_in_tensorboard(tiny, tmp_path):
+    """A run killed after step 3 was logged but with its checkpoint at step 2 (made here by
+    putting the step-2 checkpoint back): --resume runs step 3 again, and tensorboard's reader
+    shows each step once, the second step 3's value, as metrics.jsonl."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    run_train(["--model", model_dir, "--data", data_file, "--steps", "3", "--checkpoint-every", "2",
+               "--out", str(out), "--report-to", "tensorboard"] + BASE)
+    os.replace(out / "checkpoint-previous.pt", out / "checkpoint.pt")  # back to step 2
+    for path in (out / "final").iterdir():
+        path.unlink()
+    (out / "final").rmdir()
+    with open(out / "metrics.jsonl") as f:
+        killed_step_3 = json.loads(f.readlines()[2])
+    run_train(["--resume", str(out)])
+    rows = metrics(out)
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("entropy")]
+    assert logged == [(r["step"], pytest.approx(r["entropy"], rel=1e-6)) for r in rows]
+    assert [r["step"] for r in rows] == [1, 2, 3] and killed_step_3["step"] == 3

@@ -1209,11 +1209,29 @@ def test_a_repeated_signal_within_two_seconds_is_the_same_request(monkeypatch, c
     assert capsys.readouterr().err.count("SIGTERM: stopping at the end of this step") == 1
 
 
+def descendants(pid):
+    """The processes below `pid` (children, theirs, ...), from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
 @pytest.mark.slow
 def test_sigterm_to_a_torchrun_job_stops_every_rank_at_one_step_with_a_checkpoint(tiny, tmp_path):
-    """A scheduler's SIGTERM to the whole torchrun job (torchrun and its two ranks, as one
-    process group): both ranks end the same step, rank 0 checkpoints and says so, and a torchrun
-    --resume then equals the run never stopped."""
+    """A scheduler's SIGTERM to every process of a torchrun job (torchrun and its two ranks, as
+    SLURM does): each rank gets it twice, directly and forwarded by torchrun, and that is one
+    request; both ranks end the same step, rank 0 checkpoints and says so, and a torchrun --resume
+    then equals the run never stopped."""
     model_dir, data_file = tiny
     common = ["--model", model_dir, "--data", data_file, "--steps", "8"] + BASE
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
@@ -1226,7 +1244,8 @@ def test_sigterm_to_a_torchrun_job_stops_every_rank_at_one_step_with_a_checkpoin
     while time.time() < deadline and proc.poll() is None and not (
             (stopped / "metrics.jsonl").exists() and (stopped / "metrics.jsonl").read_text().strip()):
         time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGTERM)
+    for pid in [proc.pid] + descendants(proc.pid):  # every process of the job, as schedulers do
+        os.kill(pid, signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=300)
     steps = [r["step"] for r in metrics(stopped)]
     assert steps == list(range(1, len(steps) + 1)) and 1 <= len(steps) < 8, stderr[-3000:]
