@@ -223,6 +223,7 @@ def parse_config(argv=None):
             parser.error("--preset with --resume: a resumed run keeps its own flags (config.json); "
                          "change single flags instead")
         saved = read_saved_config(args.resume, parser)
+        refuse_changed_model(args, explicit, saved, parser)
     else:
         saved = dict(dapo.PRESETS[args.preset])
         if args.model is None and args.preset in ("dapo", "dapo-memory"):
@@ -240,6 +241,19 @@ def parse_config(argv=None):
         args.overlong_penalty = beside
     check_config(args, parser)
     return args, explicit
+
+
+# What the checkpoint's weights are of: a resumed run cannot change them.
+MODEL_FLAGS = ("model", "lora_rank", "lora_alpha", "quantize")
+
+
+def refuse_changed_model(args, explicit, saved, parser):
+    for key in MODEL_FLAGS:
+        if key in explicit and key in saved and getattr(args, key) != saved[key]:
+            flag = f"--{key.replace('_', '-')}"
+            parser.error(f"{flag} {getattr(args, key)} on --resume: the run's checkpoint holds "
+                         f"{flag} {saved[key]} (its config.json); start a new run to change it "
+                         f"(from this one's weights: --model {args.resume}/final)")
 
 
 def read_saved_config(run_dir, parser):

@@ -81,10 +81,10 @@ def default_max_new_tokens(data_name):
 
 def default_out_path(data_name, model=None):
     """eval-<data>-<YYYYmmdd-HHMMSS>.jsonl (a data file's folder and stem name it) beside the model:
-    in the folder holding a model directory, else (the bundled model, a hub id, a .gguf file)
-    under runs/eval/."""
-    folder = os.path.dirname(os.path.abspath(model)) if model and os.path.isdir(model) \
-        else os.path.join("runs", "eval")
+    in the folder holding a model directory, else (the bundled model, a hub id, a .gguf file, a
+    folder it cannot write) under runs/eval/."""
+    beside = os.path.dirname(os.path.abspath(model)) if model and os.path.isdir(model) else None
+    folder = beside if beside and os.access(beside, os.W_OK) else os.path.join("runs", "eval")
     name = str(data_name)
     if os.path.isfile(name):
         data_folder = os.path.basename(os.path.dirname(os.path.abspath(name)))

@@ -746,6 +746,22 @@ def test_resume_before_the_first_checkpoint_starts_over(tiny, tmp_path):
     assert [r["step"] for r in metrics(out)] == [1]
 
 
+def test_a_resume_that_changes_the_model_is_refused_by_name(tmp_path, capsys):
+    """A checkpoint holds the weights of one model, adapters and quantisation: a --resume with
+    another is refused naming the flag; the same value again, or another flag, is fine."""
+    import config
+    import runs
+    args, _ = config.parse_config(["--model", "some/model", "--lora-rank", "4"])
+    runs.write_config(str(tmp_path), {k: v for k, v in vars(args).items() if k != "resume"})
+    for flag, value in [("--model", "other/model"), ("--lora-rank", "8"), ("--quantize", "nf4")]:
+        with pytest.raises(SystemExit):
+            config.parse_config(["--resume", str(tmp_path), flag, value])
+        said = capsys.readouterr().err
+        assert f"{flag} {value} on --resume: the run's checkpoint holds {flag} " in said, said
+    args, _ = config.parse_config(["--resume", str(tmp_path), "--model", "some/model", "--steps", "5"])
+    assert args.steps == 5 and args.lora_rank == 4
+
+
 def test_resume_of_a_missing_run_is_a_clear_error(tmp_path):
     proc = run_train(["--resume", str(tmp_path / "nope")], check=False)
     assert proc.returncode != 0 and "--resume" in proc.stderr and "Traceback" not in proc.stderr
