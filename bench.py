@@ -356,14 +356,17 @@ def main(argv=None):
             parser.error(f"--dtypes: {name!r} is not one of float32, bfloat16, float16")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.what == "sampler":
-        bench_sampler(args)
-    elif args.what == "update":
-        if device.type == "cpu":
-            bench_memory(args)
-        bench_update(args)
-    else:
-        bench_moe(args)
+    try:  # a model that is not there, or only partly: one line, no traceback
+        if args.what == "sampler":
+            bench_sampler(args)
+        elif args.what == "update":
+            if device.type == "cpu":
+                bench_memory(args)
+            bench_update(args)
+        else:
+            bench_moe(args)
+    except (OSError, ValueError) as error:
+        parser.exit(2, f"bench.py: {error}\n")
 
 
 if __name__ == "__main__":

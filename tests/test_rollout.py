@@ -427,7 +427,8 @@ def test_length_finish(tiny):
 @pytest.mark.parametrize("flags, named", [(["sampler", "--device", "gpu0"], "--device gpu0"),
                                           (["sampler", "--dtypes", "fp32"], "--dtypes"),
                                           (["moe", "--device", "cuda"], "cpu only"),
-                                          (["sampling"], "invalid choice")])
+                                          (["sampling"], "invalid choice"),
+                                          (["sampler", "--model", "/no/such/model"], "/no/such/model")])
 def test_bench_flags_are_checked_before_any_work(flags, named):
     import subprocess
     import sys
