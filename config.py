@@ -206,7 +206,8 @@ def optimisation_flags(g):
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm")
     g.add_argument("--mini-batches", type=int, default=1,
-                   help="mu: optimizer updates per step (the paper: 16); 1 = on-policy, ratio 1")
+                   help="mu: a full batch's optimizer updates per step (the paper: 16), each on "
+                        "1/mu of it; a batch short of groups makes fewer; 1 = on-policy, ratio 1")
     g.add_argument("--micro-batch-size", type=int, default=16, help="sequences per backward pass")
 
 

@@ -99,9 +99,10 @@ def shut_down(exit_status=0):
 # ---- the update's bookkeeping over ranks ---------------------------------------------------------
 
 def mini_batches(units, mu):
-    """This rank's `units` (rows or pairs) in mu mini-batches. Mini-batch m is the m-th mu-th of
-    all ranks' units in rank order, as in one process (each rank splitting its own units would
-    group other samples whenever ranks keep unequal numbers); sizes differ by one at most."""
+    """This rank's `units` (rows or pairs) in mu mini-batches (none when mu is 0). Mini-batch m is
+    the m-th mu-th of all ranks' units in rank order, as in one process (each rank splitting its
+    own units would group other samples whenever ranks keep unequal numbers); sizes differ by one
+    at most."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     counts = gather(len(units), world)

@@ -71,6 +71,7 @@ class Run:
 class Progress:
     """What a checkpoint restores besides the weights, the optimizer and the random states."""
     step: int = 0                  # training steps done
+    trained_steps: int = 0         # of them, those that updated: the learning-rate schedule's clock
     updates: int = 0               # optimizer updates done (mu per step)
     train_seconds: float = 0.0     # across resumes: the time limit counts the whole run
     accuracy_ema: float = None     # training accuracy, moving average (the curriculum reads it)
@@ -368,7 +369,8 @@ def load_checkpoint(run):
     if mine["variant_rng"] is not None:
         run.variant_rng.setstate(runs.as_random_state(mine["variant_rng"]))
     refresh_sampler(run)
-    return Progress(**state["progress"]), mine["carry"]
+    # (A checkpoint from before trained_steps was kept: its schedule counted every step.)
+    return Progress(**{"trained_steps": state["progress"]["step"], **state["progress"]}), mine["carry"]
 
 
 # ---- held-out evaluation and the end of a run ----------------------------------------------------

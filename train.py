@@ -24,11 +24,14 @@ One training step (`train_step`), numbered as the code below:
   2. Filter and refill the groups (change 2).
   3. Advantages within each group (eq. 9).
   4. Old log-probs: the trainer scores the batch before its first update (pi_old of eq. 10).
-  5. mu updates, each on 1/mu of the batch, accumulated over micro-batches with the token counts
-     of the whole mini-batch over all ranks as divisors (changes 1, 3 and 4's mask).
+  5. Updates on mini-batches of 1/mu of a full batch (mu of them when the batch is full, fewer
+     when dynamic sampling fell short, none when it kept nothing), accumulated over micro-batches
+     with the token counts of the whole mini-batch over all ranks as divisors (changes 1, 3 and
+     4's mask).
   6. Metrics: named sums, reduced over ranks in one call; rank 0 writes them.
---steps, --warmup-steps and the learning-rate schedule count these training steps, as the paper
-and verl do; the log also counts optimizer updates.
+--steps counts these training steps; the warm-up and the learning-rate schedule count the steps
+that updated (a step that kept no group is logged, not scheduled), as verl does; the log also
+counts optimizer updates.
 What a run needs around its steps (setup, checkpoints, held-out evaluation) is in launch.py, its
 directory in runs.py; the reference policy's terms and DPO in reference.py.
 """
@@ -153,7 +156,7 @@ def train_step(run, progress):
     """One training step, numbered as in the module docstring. -> StepResult"""
     args = run.args
     for group in run.optimizer.param_groups:
-        group["lr"] = lr_at(progress.step, args)
+        group["lr"] = lr_at(progress.trained_steps, args)
     if args.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -176,11 +179,12 @@ def train_step(run, progress):
     row["accuracy_ema"] = ema = data.curriculum_step(run.source, progress.accuracy_ema,
                                                      row["accuracy"], args.curriculum)
     progress = replace(progress, step=progress.step + 1, updates=row["updates"],
+                       trained_steps=progress.trained_steps + bool(update_sums.get("updates")),
                        train_seconds=progress.train_seconds + end - start, accuracy_ema=ema,
                        skipped_updates=row["skipped_updates_total"], carry=collected.surplus,
                        prompt_accuracy=launch.shared_prompt_accuracy(run, progress, collected.sampled)
                        if args.adaptive_budget else {})
-    row["train_seconds"] = progress.train_seconds
+    row["train_seconds"], row["trained_steps"] = progress.train_seconds, progress.trained_steps
     shown = batch if batch.tokens else (collected.sampled or [batch])[0]  # all dropped: round 1's
     return StepResult(progress, row, samples=launch.sample_lines(run, shown, progress.step))
 
@@ -338,19 +342,21 @@ class MicroBatch:
 
 
 def update(run, batch):
-    """Step 5: --mini-batches optimizer updates, each on the next 1/mu of all ranks' samples. For
-    each: its micro-batches, the whole mini-batch's token counts over all ranks as every
-    micro-batch's divisors (change 3: the update is exactly one device's), loss and backward on
-    each, then one clipped optimizer step. -> (named sums, named maxima) over the updates"""
+    """Step 5: optimizer updates on mini-batches of a full batch's 1/mu, in samples as the paper
+    and verl fix them (a step whose dynamic sampling fell short makes fewer updates, not smaller
+    ones). For each: its micro-batches, the whole mini-batch's token counts over all ranks as
+    every micro-batch's divisors (change 3: the update is exactly one device's), loss and backward
+    on each, then one clipped optimizer step. -> (named sums, named maxima) over the updates"""
     args = run.args
     if args.algo == "dpo":
         return reference.dpo_update(run, batch)
+    groups = gather(batch.num_groups, run.world)  # kept groups of each rank
     # The prompts' ids over all ranks, for the per-prompt aggregation: this rank's come after the
     # groups of the ranks before it.
-    first_group = sum(gather(batch.num_groups, run.world)[:run.rank]) \
-        if args.loss_agg == "group-token-mean" else None
+    first_group = sum(groups[:run.rank]) if args.loss_agg == "group-token-mean" else None
+    count = math.ceil(args.mini_batches * sum(groups) / args.prompts_per_step)  # mu when full
     sums, maxima = {}, {}
-    for rows in distributed.mini_batches(list(range(len(batch.tokens))), args.mini_batches):
+    for rows in distributed.mini_batches(list(range(len(batch.tokens))), count):
         micro = policy_micro_batches(run, batch, rows, first_group or 0)
         divisors = losses.micro_batch_divisors(
             [mb.mask for mb in micro], [mb.group_ids for mb in micro] if first_group is not None
@@ -586,7 +592,7 @@ def train_steps(run, progress, stop):
 # ---- the learning rate -------------------------------------------------------------------------
 
 def lr_at(step, args):
-    """Learning rate of training step `step` (0-based), shared by its mu updates: linear warm-up
+    """Learning rate of the step after `step` steps that updated, shared by its updates: linear warm-up
     over --warmup-steps, then constant (DAPO) or a cosine decay that would reach 10% at --steps."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps

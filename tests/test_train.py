@@ -568,7 +568,7 @@ def test_a_rank_with_no_groups_still_takes_part(tiny, tmp_path):
     empty = rollouts().select([])
     batch = train.with_old_logprobs(run, train.with_advantages(run, empty))
     assert batch.advantages == [] and batch.old_logprobs == []
-    assert train.update(run, batch) == ({"empty_updates": 2}, {})
+    assert train.update(run, batch) == ({}, {})  # no group kept: no update
 
 
 def test_nonfinite_update_is_skipped(tiny, tmp_path):
@@ -932,14 +932,33 @@ def test_variants_that_outgrow_the_prompt_budget_are_dropped(tiny, tmp_path):
     assert [v["variant"] for v in variants] == ["hint"] and variants[0]["prompt"].endswith("t t t ")
 
 
-def test_mini_batches_split_evenly(tiny, tmp_path):
-    """mu parts whose sizes differ by one at most: 4 samples in 3 updates are 1 + 1 + 2, not
-    2 + 2 + an empty update."""
+@pytest.mark.parametrize("prompts_per_step, updates", [("2", 3), ("4", 2), ("8", 1), ("6", 1)])
+def test_mini_batches_are_a_full_batchs_share(tiny, tmp_path, prompts_per_step, updates):
+    """Mini-batches hold 1/mu of a full batch, in samples (DAPO, verl): the 2 groups of 2 samples
+    kept make mu = 3 updates when 2 groups are a full batch (1 + 1 + 2 samples: sizes differ by
+    one, no empty update), and ceil(3 x 2/4) = 2, ceil(3 x 2/8) = 1, ceil(3 x 2/6) = 1 updates when
+    dynamic sampling kept 2 of 4, 8 or 6 groups; never more updates of fewer samples."""
     import train
-    run = in_process_run(tmp_path, tiny, "--mini-batches", "3")
+    run = in_process_run(tmp_path, tiny, "--mini-batches", "3", "--prompts-per-step", prompts_per_step)
     batch = rollouts(advantages=[1.0, -1.0, -1.0, 1.0], old_logprobs=[None] * 4)
     sums, _ = train.update(run, batch)
-    assert sums["updates"] == 3 and "empty_updates" not in sums
+    assert sums["updates"] == updates and "empty_updates" not in sums
+
+
+def test_a_step_that_keeps_no_group_is_logged_not_scheduled(tiny, tmp_path, monkeypatch):
+    """A step whose dynamic sampling kept nothing makes no update: it counts as a step (the log,
+    --steps) but not on the learning-rate schedule's clock (warm-up, cosine), as in verl."""
+    import launch
+    import train
+    run = in_process_run(tmp_path, tiny, "--warmup-steps", "4", "--adv-estimator", "reinforce_baseline",
+                         "--log-samples", "0")
+    sampled = rollouts(advantages=None)
+    nothing = train.Collected(kept=sampled.select([]), sampled=[sampled], surplus=None, asked=0)
+    monkeypatch.setattr(train, "collect_rollouts", lambda run, progress: nothing)
+    progress, row, _ = train.train_step(run, launch.Progress(step=5, trained_steps=2))
+    assert (progress.step, progress.trained_steps, row["trained_steps"]) == (6, 2, 2)
+    assert row["lr"] == pytest.approx(train.lr_at(2, run.args)) == pytest.approx(1e-3 * 3 / 4)
+    assert row["updates"] == 0 and row["groups_kept"] == 0
 
 
 def test_plot_reads_a_torn_log_and_names_a_missing_run(tmp_path):
