@@ -71,8 +71,8 @@ class Run:
 class Progress:
     """What a checkpoint restores besides the weights, the optimizer and the random states."""
     step: int = 0                  # training steps done
-    trained_steps: int = 0         # of them, those that updated: the learning-rate schedule's clock
-    updates: int = 0               # optimizer updates done (mu per step)
+    trained_steps: int = 0         # of them, those with an optimizer step: the schedule's clock
+    updates: int = 0               # optimizer updates done (up to mu per step)
     train_seconds: float = 0.0     # across resumes: the time limit counts the whole run
     accuracy_ema: float = None     # training accuracy, moving average (the curriculum reads it)
     skipped_updates: int = 0       # non-finite losses or gradients, left out
@@ -262,7 +262,7 @@ def describe(run):
         f"method    preset {args.preset}{cpu}: {method}, dynamic sampling "
         f"{'on' if args.dynamic_sampling else 'off'}",
         f"each step {args.prompts_per_step} prompts x {args.samples} samples of <= "
-        f"{args.max_new_tokens} tokens, {args.mini_batches} update(s), lr {args.lr:g} ({args.lr_schedule})",
+        f"{args.max_new_tokens} tokens, up to {args.mini_batches} update(s), lr {args.lr:g} ({args.lr_schedule})",
         f"length    {args.steps} steps" + (f" or {args.time_limit:g} training minutes" if args.time_limit else ""),
         f"run       {args.out} (every flag: config.json)"])
 

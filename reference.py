@@ -88,11 +88,12 @@ def preference_pairs(run, batch):
             for c, r in dapo.dpo_pairs(batch.rewards, batch.group_sizes)]
 
 
-def dpo_update(run, batch):
-    """--mini-batches DPO updates (Rafailov et al. 2023) on the step's pairs, each divided by the
-    pairs of its mini-batch over all ranks. -> (named sums, named maxima)"""
+def dpo_update(run, batch, count):
+    """`count` DPO updates (Rafailov et al. 2023; train.update_count: fewer on a short batch) on
+    the step's pairs, each divided by the pairs of its mini-batch over all ranks.
+    -> (named sums, named maxima)"""
     sums, maxima = {}, {}
-    for pairs in distributed.mini_batches(preference_pairs(run, batch), run.args.mini_batches):
+    for pairs in distributed.mini_batches(preference_pairs(run, batch), count):
         micro = pair_batches(run, batch, pairs)
         if float(micro[0].num_pairs) == 0:
             sums = add(sums, {"empty_updates": 1})

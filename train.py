@@ -24,14 +24,14 @@ One training step (`train_step`), numbered as the code below:
   2. Filter and refill the groups (change 2).
   3. Advantages within each group (eq. 9).
   4. Old log-probs: the trainer scores the batch before its first update (pi_old of eq. 10).
-  5. Updates on mini-batches of 1/mu of a full batch (mu of them when the batch is full, fewer
-     when dynamic sampling fell short, none when it kept nothing), accumulated over micro-batches
+  5. Updates on mini-batches of 1/mu of a full batch in prompts (mu of them when the batch is
+     full, fewer when dynamic sampling fell short, none when it kept nothing), accumulated over micro-batches
      with the token counts of the whole mini-batch over all ranks as divisors (changes 1, 3 and
      4's mask).
   6. Metrics: named sums, reduced over ranks in one call; rank 0 writes them.
 --steps counts these training steps; the warm-up and the learning-rate schedule count the steps
-that updated (a step that kept no group is logged, not scheduled), as verl does; the log also
-counts optimizer updates.
+that made an optimizer step (one that kept no group, or no loss token, is logged, not scheduled),
+as verl's schedule counts the batches it trains on; the log also counts optimizer updates.
 What a run needs around its steps (setup, checkpoints, held-out evaluation) is in launch.py, its
 directory in runs.py; the reference policy's terms and DPO in reference.py.
 """
@@ -299,11 +299,11 @@ def with_advantages(run, batch):
 @torch.no_grad()
 def with_old_logprobs(run, batch):
     """Step 4: pi_old of eq. 10, the trainer's log-probs before this step's first update. With
-    one update per step they equal the update's own (detached), so nothing is computed here.
+    one update this step they equal the update's own (detached), so nothing is computed here.
     Groups carried from the last step keep their sampler's log-probs: that policy sampled them."""
     args = run.args
     old = [list(lp) if stale else None for lp, stale in zip(batch.sampler_logprobs, batch.stale)]
-    if args.mini_batches > 1 and args.algo == "pg":  # (DPO has no ratio)
+    if args.algo == "pg" and update_count(run, batch) > 1:  # (DPO has no ratio)
         fresh, size = [i for i, stale in enumerate(batch.stale) if not stale], args.micro_batch_size
         # As many forwards on every rank (stand-ins where a rank has fewer rows): under FSDP each
         # forward gathers weights with the other ranks.
@@ -342,19 +342,18 @@ class MicroBatch:
 
 
 def update(run, batch):
-    """Step 5: optimizer updates on mini-batches of a full batch's 1/mu, in samples as the paper
-    and verl fix them (a step whose dynamic sampling fell short makes fewer updates, not smaller
-    ones). For each: its micro-batches, the whole mini-batch's token counts over all ranks as
+    """Step 5: optimizer updates on mini-batches of a full batch's 1/mu (`update_count`: a step
+    whose dynamic sampling fell short makes fewer updates, not smaller ones; the paper and verl
+    fix the mini-batch's size). For each: its micro-batches, the whole mini-batch's token counts over all ranks as
     every micro-batch's divisors (change 3: the update is exactly one device's), loss and backward
     on each, then one clipped optimizer step. -> (named sums, named maxima) over the updates"""
-    args = run.args
+    args, count = run.args, update_count(run, batch)
     if args.algo == "dpo":
-        return reference.dpo_update(run, batch)
-    groups = gather(batch.num_groups, run.world)  # kept groups of each rank
+        return reference.dpo_update(run, batch, count)
     # The prompts' ids over all ranks, for the per-prompt aggregation: this rank's come after the
     # groups of the ranks before it.
-    first_group = sum(groups[:run.rank]) if args.loss_agg == "group-token-mean" else None
-    count = math.ceil(args.mini_batches * sum(groups) / args.prompts_per_step)  # mu when full
+    first_group = sum(gather(batch.num_groups, run.world)[:run.rank]) \
+        if args.loss_agg == "group-token-mean" else None
     sums, maxima = {}, {}
     for rows in distributed.mini_batches(list(range(len(batch.tokens))), count):
         micro = policy_micro_batches(run, batch, rows, first_group or 0)
@@ -376,6 +375,14 @@ def update(run, batch):
             sums, maxima = add(sums, mb_sums), top(maxima, mb_maxima)
         sums = add(sums, distributed.optimizer_step(run.optimizer, run.policy, loss_sum, args.grad_clip))
     return sums, maxima
+
+
+def update_count(run, batch):
+    """This step's optimizer updates, the same on every rank: mu for a full batch, ceil(mu x
+    groups kept / --prompts-per-step) for one that dynamic sampling left short (mini-batches of
+    1/mu of a full batch, in prompts), none for an empty one."""
+    kept = sum(gather(batch.num_groups, run.world))
+    return math.ceil(run.args.mini_batches * kept / run.args.prompts_per_step)
 
 
 def policy_micro_batches(run, batch, rows, first_group):
@@ -525,9 +532,10 @@ def step_metrics(run, progress, collected, update_sums, update_maxima, seconds):
     # DPO reads its pairs only, not every kept sample, and scores no old log-probs.
     trained = total.get("pair_tokens", 0.0) if args.algo == "dpo" else total["update_tokens"]
     row["tokens_per_second_update"] = trained / ranks / max(seconds["update"], 1e-9)
-    # Scoring (step 4) is a pass of its own only with several updates per step.
+    # Scoring (step 4) is a pass of its own only with several updates in the step.
+    several = (total.get("updates", 0.0) + total.get("empty_updates", 0.0)) / ranks > 1
     row["tokens_per_second_scoring"] = (total["update_tokens"] / ranks / max(seconds["scoring"], 1e-9)
-                                        if args.mini_batches > 1 and args.algo != "dpo" else None)
+                                        if several and args.algo != "dpo" else None)
     return row
 
 

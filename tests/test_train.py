@@ -478,7 +478,7 @@ def test_advantages_and_old_logprobs(tiny, tmp_path):
     """Steps 3 and 4 return new batches (the input is left as it was). Carried groups keep their
     sampler's log-probs as the old ones: they were sampled by the last step's policy."""
     import train
-    run = in_process_run(tmp_path, tiny, "--mini-batches", "2")
+    run = in_process_run(tmp_path, tiny, "--mini-batches", "2", "--prompts-per-step", "2")  # full
     batch = rollouts(stale=[True, True, False, False])
     scored = train.with_old_logprobs(run, train.with_advantages(run, batch))
     assert batch.advantages is None and batch.old_logprobs is None
@@ -486,10 +486,12 @@ def test_advantages_and_old_logprobs(tiny, tmp_path):
     assert scored.old_logprobs[:2] == batch.sampler_logprobs[:2]
     assert [len(lp) for lp in scored.old_logprobs[2:]] == [3, 1]
     assert scored.old_logprobs[2] != batch.sampler_logprobs[2]  # the trainer's own, recomputed
-    # One update per step: nothing to recompute, the update's own log-probs are the old ones.
-    run.args.mini_batches = 1
-    on_policy = train.with_old_logprobs(run, scored)
-    assert on_policy.old_logprobs[2:] == [None, None] and on_policy.old_logprobs[0] == [-1.0, -2.0]
+    # One update this step (mu 1, or a batch short enough for ceil(mu x 2/4) = 1): nothing to
+    # recompute, the update's own log-probs are the old ones.
+    for flag, value in (("prompts_per_step", 4), ("mini_batches", 1)):
+        setattr(run.args, flag, value)
+        on_policy = train.with_old_logprobs(run, scored)
+        assert on_policy.old_logprobs[2:] == [None, None] and on_policy.old_logprobs[0] == [-1.0, -2.0]
 
 
 def scripted_sampler(script):
@@ -560,15 +562,20 @@ def test_adversarial_variants_are_asked_in_the_next_round(tiny, tmp_path, monkey
     assert [r["id"] for r in kept.records] == calls[1]
 
 
-def test_a_rank_with_no_groups_still_takes_part(tiny, tmp_path):
+def test_a_rank_with_no_groups_still_takes_part(tiny, tmp_path, monkeypatch):
     """Dynamic sampling can leave a rank with no informative group: steps 3-5 still run (under
-    DDP its collectives must), with zero-weight stand-ins and no update."""
+    DDP its collectives must), with zero-weight stand-ins and no update of its own; when no rank
+    kept a group, no update at all."""
     import train
     run = in_process_run(tmp_path, tiny, "--adv-estimator", "reinforce_baseline", "--mini-batches", "2")
     empty = rollouts().select([])
     batch = train.with_old_logprobs(run, train.with_advantages(run, empty))
     assert batch.advantages == [] and batch.old_logprobs == []
-    assert train.update(run, batch) == ({}, {})  # no group kept: no update
+    assert train.update(run, batch) == ({}, {})  # no group kept anywhere: no update
+    # Another rank kept 2 of the 4 groups: ceil(2 x 2/4) = 1 update, which this rank joins with
+    # a stand-in of no loss token (alone here, so the whole mini-batch is empty).
+    monkeypatch.setattr(train, "gather", lambda value, world: [value, 2])
+    assert train.update(run, batch) == ({"empty_updates": 1}, {})
 
 
 def test_nonfinite_update_is_skipped(tiny, tmp_path):
