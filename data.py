@@ -689,6 +689,17 @@ def _with_prompt(record, new_prompt, new_id, kind, added_text):
 # Prompt templates
 
 
+def default_template(data_name):
+    """"none" (the bare question) for the synthetic tasks, arithmetic and memory, as their figures
+    were measured; "dapo" (DAPO's "Answer:" instruction) for everything else."""
+    return "none" if str(data_name).split(":", 1)[0] in ("arithmetic", "memory") else "dapo"
+
+
+def is_plain_prompt(tokenizer, template):
+    """Whether format_prompt writes "Question: ...\nAnswer:" as plain text (no chat template)."""
+    return template == "plain-question" or getattr(tokenizer, "chat_template", None) is None
+
+
 def format_prompt(record, tokenizer, template="dapo"):
     """Token ids of the prompt for `record`, ready for generation.
 
@@ -710,7 +721,7 @@ def format_prompt(record, tokenizer, template="dapo"):
                     {"role": "user", "content": record["prompt"]}]
     else:
         messages = [{"role": "user", "content": record["prompt"]}]
-    if template == "plain-question" or getattr(tokenizer, "chat_template", None) is None:
+    if is_plain_prompt(tokenizer, template):
         question = "\n\n".join(m["content"] for m in messages if m["role"] != "assistant")
         text = f"Question: {question}\nAnswer:"
         if record.get("reply_prefix"):  # the reply is written after it

@@ -68,11 +68,6 @@ def task_name(data_name):
     return str(data_name).split(":", 1)[0]
 
 
-def default_template(data_name):
-    """"none" (the bare question) for the synthetic tasks, "dapo" for everything else."""
-    return "none" if task_name(data_name) in ("arithmetic", "memory") else "dapo"
-
-
 def default_max_new_tokens(data_name):
     """256 for the arithmetic task (the untrained model's answers run up to ~100 tokens), 16 a turn
     for the memory task (its one-line replies, as the dapo-memory preset), 1024 for benchmarks."""
@@ -259,7 +254,7 @@ def load_eval_records(parser, args):
 
 def main(argv=None):
     parser, args = parse_args(argv)
-    template = args.template or default_template(args.data)
+    template = args.template or data.default_template(args.data)
     max_new_tokens = args.max_new_tokens or default_max_new_tokens(args.data)
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

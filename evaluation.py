@@ -104,10 +104,6 @@ def summarize(results, k):
 
 # ---- playing and scoring -------------------------------------------------------------------------
 
-def _uses_plain_prompt(tokenizer, template):
-    return template == "plain-question" or getattr(tokenizer, "chat_template", None) is None
-
-
 def _cut_plain_continuation(text):
     """A base model prompted "Question: ...\\nAnswer:" often goes on to invent the next question;
     the response ends where that starts (else its "Answer:" line would be taken as the answer)."""
@@ -143,7 +139,7 @@ def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_
                     stop_token_ids=rollout.stop_token_ids(tokenizer) if stop_ids is None else list(stop_ids),
                     compile=compile)
     batch_size = batch_size or max(1, DEFAULT_ROWS // k)
-    plain = _uses_plain_prompt(tokenizer, template)
+    plain = data.is_plain_prompt(tokenizer, template)
     first_prompts = [data.format_prompt(episodes.next_turn(record, 0), tokenizer, template)
                      for record in records]
     order = sorted(range(len(records)), key=lambda i: len(first_prompts[i]))  # similar lengths together

@@ -149,7 +149,7 @@ def setup(args):
         except ValueError as e:
             sys.exit(f"train.py: {e}")
     if args.template is None:
-        args.template = "none" if str(args.data).startswith(("arithmetic", "memory")) else "dapo"
+        args.template = data.default_template(args.data)
     try:  # every row is checked before any training
         source, heldout = load_data(args, tokenizer, policy.config.max_seq_len)
     except data.DataError as e:

@@ -220,8 +220,7 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     stopped (None: 8 on a GPU, where a look stalls the queue of kernels; 1 on a CPU, where it
     costs nothing and each look can end the loop sooner). record_routing: on an MoE model, each
     Completion's `.routing` holds the experts every position went to (for routing replay).
-    stream: called with the tokens so far, (B, steps), at each of the host's looks (demo.py's
-    live text; a stopped row's tokens after its stop are 0).
+    stream: called at each host look with the tokens so far, (B, steps), 0 past a stop (demo.py).
 
     -> list[Completion], prompt-major. The same seed gives the same samples.
     """

@@ -532,8 +532,7 @@ def step_metrics(run, progress, collected, update_sums, update_maxima, seconds):
     # DPO reads its pairs only, not every kept sample, and scores no old log-probs.
     trained = total.get("pair_tokens", 0.0) if args.algo == "dpo" else total["update_tokens"]
     row["tokens_per_second_update"] = trained / ranks / max(seconds["update"], 1e-9)
-    # Scoring (step 4) is a pass of its own only with several updates in the step.
-    several = (total.get("updates", 0.0) + total.get("empty_updates", 0.0)) / ranks > 1
+    several = (total.get("updates", 0.0) + total.get("empty_updates", 0.0)) / ranks > 1  # step 4 ran
     row["tokens_per_second_scoring"] = (total["update_tokens"] / ranks / max(seconds["scoring"], 1e-9)
                                         if several and args.algo != "dpo" else None)
     return row

@@ -16,6 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import data  # noqa: E402
 import eval as ev  # noqa: E402
 import evaluation  # noqa: E402
 import verify  # noqa: E402
@@ -103,9 +104,9 @@ def test_plain_continuation_is_cut():
 
 
 def test_defaults_depend_on_data(tmp_path, monkeypatch):
-    assert ev.default_template("arithmetic") == "none"
-    assert ev.default_template("arithmetic:digits=2") == "none"
-    assert ev.default_template("gsm8k") == "dapo"
+    assert data.default_template("arithmetic") == "none"
+    assert data.default_template("arithmetic:digits=2") == "none"
+    assert data.default_template("gsm8k") == "dapo" and data.default_template("memory:pages=4") == "none"
     assert ev.default_max_new_tokens("arithmetic") < ev.default_max_new_tokens("math500")
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "gsm8k"
