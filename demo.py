@@ -295,7 +295,8 @@ def main(argv=None):
     try:
         server = ThreadingHTTPServer((args.host, args.port), Handler)
     except OSError as error:
-        parser.error(f"argument --port: cannot listen on {args.host}:{args.port}: {error.strerror or error}")
+        parser.error(f"argument --host/--port: cannot listen on {args.host}:{args.port}: "
+                     f"{error.strerror or error}")
     server.answerers, server.problems = answerers, problems
     server.hosts = {"127.0.0.1", "localhost", "[::1]"} | ({args.host} if args.host not in ("", "0.0.0.0") else set())
     server.daemon_threads = True

@@ -227,3 +227,12 @@ def test_model_text_is_shown_as_text_never_as_markup():
     finally:
         browser.quit()
         server.shutdown()
+
+
+def test_an_address_it_cannot_listen_on_is_one_line(models):
+    trained, base = models
+    proc = subprocess.run([sys.executable, str(ROOT / "demo.py"), "--model", trained, "--base", base,
+                           "--host", "no-such-host.invalid"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "argument --host/--port: cannot listen on no-such-host.invalid" \
+        in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
