@@ -745,8 +745,10 @@ class PromptStream:
     (seed, epoch)) or a task with `sample(n, rng)`, ArithmeticTask or episodes.MemoryTask
     (each global batch drawn with a generator seeded by
     (seed, step)). The global batch at a step does not depend on world_size; rank r gets
-    positions [r * B/W, (r + 1) * B/W) of it. The whole position is the step counter (plus the
-    task's level), so `state_dict()` is a few integers and restoring it continues exactly.
+    positions [r * B/W, (r + 1) * B/W) of it. A rank reads its slices in order, as many records
+    at a time as it asks for (`take`; a refill round may want fewer than a batch), so no record
+    is skipped; its position is the count it has taken (plus the task's level), and restoring
+    that continues exactly.
     """
 
     def __init__(self, source, batch_size, seed=0, rank=0, world_size=1):
@@ -759,17 +761,32 @@ class PromptStream:
             raise DataError("PromptStream: no records")
         self.source, self.batch_size, self.seed = source, batch_size, seed
         self.rank, self.world_size = rank, world_size
-        self.step = 0
+        self.per_rank = batch_size // world_size
+        self.taken = 0   # records this rank has read
         self._epoch, self._order = None, None
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        per_rank = self.batch_size // self.world_size
-        batch = self.global_batch(self.step)[self.rank * per_rank:(self.rank + 1) * per_rank]
-        self.step += 1
-        return batch
+        return self.take(self.per_rank)
+
+    def take(self, count):
+        """This rank's next `count` records, continuing where the last call stopped."""
+        records = []
+        while len(records) < count:
+            step, index = divmod(self.taken, self.per_rank)
+            first = self.rank * self.per_rank + index
+            end = first + min(self.per_rank - index, count - len(records))
+            records += self.global_batch(step)[first:end]
+            self.taken += end - first
+        return records
+
+    def position(self, ahead=0):
+        """The global position of the record this rank reads `ahead` records from now (unique
+        over ranks)."""
+        step, index = divmod(self.taken + ahead, self.per_rank)
+        return step * self.batch_size + self.rank * self.per_rank + index
 
     def global_batch(self, step):
         """All ranks' records for `step` (a pure function of seed, step and the task's level)."""
@@ -789,13 +806,14 @@ class PromptStream:
         return self._order
 
     def state_dict(self):
-        state = {"step": self.step}
+        state = {"taken": self.taken}
         if isinstance(self.source, ArithmeticTask):
             state["level"] = self.source.level
         return state
 
     def load_state_dict(self, state):
-        self.step = int(state["step"])
+        # Checkpoints before `take` counted whole batches ("step").
+        self.taken = int(state["taken"]) if "taken" in state else int(state["step"]) * self.per_rank
         if "level" in state:
             self.source.load_state_dict({"level": state["level"]})
 

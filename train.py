@@ -249,12 +249,15 @@ def collect_rollouts(run, progress):
         if have >= want:
             break
         # The adversarial variants of the last round's signal-less prompts first, then fresh ones.
-        records = requests + (next(run.stream)[:want - len(requests)] if len(requests) < want else [])
-        # A seed per prompt from its position, unique over ranks: without refills the samples do
-        # not depend on the number of ranks.
-        first = run.stream.step * args.prompts_per_step + run.rank * want
-        seeds = [random.Random(f"{args.seed}:{progress.step}:{round_index}:{first + i}").getrandbits(62)
-                 for i in range(len(records))]
+        # A seed per prompt from its place, unique over ranks: a fresh prompt's global position in
+        # the stream (so without refills the samples do not depend on the number of ranks), a
+        # variant's rank and index.
+        count = max(want - len(requests), 0)
+        places = [f"v{run.rank}.{i}" for i in range(len(requests))] + [
+            str(run.stream.position(i)) for i in range(count)]
+        records = requests + run.stream.take(count)  # only what is asked: none skipped
+        seeds = [random.Random(f"{args.seed}:{progress.step}:{round_index}:{place}").getrandbits(62)
+                 for place in places]
         counts = [args.samples] * len(records)
         if args.adaptive_budget:
             counts = dapo.adaptive_num_samples([progress.prompt_accuracy.get(r["id"]) for r in records],

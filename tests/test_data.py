@@ -320,6 +320,26 @@ def test_stream_shards_are_disjoint_slices_of_the_global_batch(source):
         assert ids[:10] != ids[10:20]
 
 
+@pytest.mark.parametrize("source", [ArithmeticTask(), [{"prompt": f"p{i}", "answer": str(i),
+                                                         "id": str(i)} for i in range(10)]])
+def test_stream_takes_any_count_in_order_and_resumes(source):
+    """A rank reads its slices in order however many it asks for at a time; its state after
+    an uneven count resumes exactly; a checkpoint from before `take` (whole batches) still loads."""
+    whole = PromptStream(source, batch_size=6, seed=2, rank=1, world_size=2)
+    expected = [r["id"] for _ in range(5) for r in next(whole)]                 # 15 records
+    stream = PromptStream(source, batch_size=6, seed=2, rank=1, world_size=2)
+    positions = [stream.position(i) for i in range(7)]
+    got = [r["id"] for count in (2, 5, 0) for r in stream.take(count)]
+    assert got == expected[:7]
+    assert positions == [3, 4, 5, 9, 10, 11, 15]  # rank 1's slices of batches of 6
+    resumed = PromptStream(source, batch_size=6, seed=2, rank=1, world_size=2)
+    resumed.load_state_dict(json.loads(json.dumps(stream.state_dict())))
+    assert [r["id"] for r in resumed.take(8)] == expected[7:15]
+    old = PromptStream(source, batch_size=6, seed=2, rank=1, world_size=2)
+    old.load_state_dict({"step": 2})
+    assert [r["id"] for r in next(old)] == expected[6:9]
+
+
 @pytest.mark.parametrize("make_source", [ArithmeticTask, lambda: load_records(
     "arithmetic", split="test", limit=30)])
 def test_stream_resume_continues_identically(make_source):

@@ -562,6 +562,28 @@ def test_adversarial_variants_are_asked_in_the_next_round(tiny, tmp_path, monkey
     assert [r["id"] for r in kept.records] == calls[1]
 
 
+def test_refills_with_variants_draw_only_the_fresh_prompts_they_need(tiny, tmp_path, monkeypatch):
+    """Round 0 keeps 1 of 4 prompts and asks a variant of each of the 3 others: round 1 is those
+    3 and 1 fresh prompt, round 2 four variants and none. The stream skips no prompt (it used to
+    draw a whole batch for the 1 and drop the other 3 unseen)."""
+    import data
+    import launch
+    import train
+    run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "2", "--adversarial")
+    order = data.PromptStream(run.stream.source, run.args.prompts_per_step, seed=run.args.seed)
+    expected = [r["id"] for _ in range(3) for r in next(order)]  # the stream's order, 12 records
+    # Round 0: the first prompt informative, the rest all right; variants and round 2: none.
+    fake, calls = scripted_sampler(lambda record, call: [True, False] * 2
+                                   if call == 0 and record["id"] == expected[0] else [True] * 4)
+    monkeypatch.setattr(train, "sample_and_reward", fake)
+    monkeypatch.setattr(data, "adversarial_variants", lambda records, requests, *a, **k: [
+        dict(records[i], id=f"{records[i]['id']}-harder", variant="harder") for i, _ in requests])
+    train.collect_rollouts(run, launch.Progress())
+    assert calls[:2] == [expected[:4], [f"{i}-harder" for i in expected[1:4]] + [expected[4]]]
+    assert all(i.endswith("-harder") for i in calls[2])
+    assert [r["id"] for r in next(run.stream)] == expected[5:9]  # the next step goes on from there
+
+
 def test_a_rank_with_no_groups_still_takes_part(tiny, tmp_path, monkeypatch):
     """Dynamic sampling can leave a rank with no informative group: steps 3-5 still run (under
     DDP its collectives must), with zero-weight stand-ins and no update of its own; when no rank
