@@ -182,8 +182,25 @@ def algorithm_flags(g):
     g.add_argument("--sapo-tau-neg", type=float, default=1.05,
                    help="SAPO: the gate's temperature where it is not")
     g.add_argument("--tis-cap", type=float, default=0.0,
-                   help="truncated importance sampling: weight tokens by min(pi_old / "
-                        "pi_sampler, C) (0 = off)")
+                   help="rollout correction: weight tokens by min(pi_old / pi_sampler, C) "
+                        "(0 = off; README: the objectives)")
+    g.add_argument("--tis-level", default="token", choices=["token", "sequence"],
+                   help="rollout correction: a ratio per token, or one per sequence (their product)")
+    g.add_argument("--tis-mode", default="truncate", choices=["truncate", "mask"],
+                   help="rollout correction: cut the ratio at C (TIS), or mask tokens whose ratio "
+                        "is outside [--tis-floor, C] (MIS, IcePop)")
+    g.add_argument("--tis-floor", type=float, default=0.0,
+                   help="rollout correction, --tis-mode mask: the lower bound of the kept ratios")
+    g.add_argument("--high-entropy-fraction", type=float, default=1.0,
+                   help="the 80/20 rule: the policy gradient only on this top fraction of the "
+                        "mini-batch's tokens by entropy (1 = every token; the paper: 0.2)")
+    g.add_argument("--cov-fraction", type=float, default=2e-4,
+                   help="Clip-Cov / KL-Cov: the fraction of the mini-batch's tokens chosen by "
+                        "the covariance of log-prob and advantage")
+    g.add_argument("--clip-cov-low", type=float, default=1.0, help="Clip-Cov: covariance floor")
+    g.add_argument("--clip-cov-high", type=float, default=5.0, help="Clip-Cov: covariance ceiling")
+    g.add_argument("--kl-cov-coef", type=float, default=1.0,
+                   help="KL-Cov: the weight of |log pi - log pi_old| on the chosen tokens")
     g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
     g.add_argument("--kl", default="none", choices=["none", "k1", "k2", "k3", "gkl"],
                    help="regulariser toward the reference")
@@ -273,12 +290,12 @@ NONNEGATIVE_INTS = ["seed", "checkpoint_every", "lora_rank", "eval_every", "max_
                     "warmup_steps", "eval_samples", "log_samples"]
 POSITIVE_FLOATS = ["checkpoint_minutes", "lora_alpha", "temperature", "overlong_cache", "eval_temperature",
                    "ppl_window", "gkl_gamma", "gkl_temperature", "gkl_weight_temperature",
-                   "dpo_beta", "lr", "grad_clip", "sapo_tau_pos", "sapo_tau_neg"]
+                   "dpo_beta", "lr", "grad_clip", "sapo_tau_pos", "sapo_tau_neg", "cov_fraction"]
 NONNEGATIVE_FLOATS = ["time_limit", "format_weight", "ppl_threshold", "efficiency_weight",
                       "eps_high", "entropy_coef", "kl_coef", "gkl_alpha", "gkl_beta",
-                      "weight_decay", "tis_cap", "router_aux_coef"]
+                      "weight_decay", "tis_cap", "tis_floor", "router_aux_coef", "kl_cov_coef"]
 OTHER_FLOATS = ["correct_reward", "wrong_reward", "eps_low", "clip_c", "top_p", "eval_top_p",
-                "curriculum"]
+                "curriculum", "high_entropy_fraction", "clip_cov_low", "clip_cov_high"]
 
 
 def check_config(args, parser):
@@ -326,6 +343,12 @@ def check_config(args, parser):
         parser.error(f"--top-p {args.top_p:g} samples from a truncated distribution, while the "
                      "sampler's log-probs, which --tis-cap and --keep-surplus read as the behaviour "
                      "policy's, are of the whole one: use --top-p 1 with them")
+    if not args.tis_cap and (args.tis_level, args.tis_mode, args.tis_floor) != ("token", "truncate", 0):
+        parser.error("--tis-level, --tis-mode and --tis-floor shape the rollout correction: they "
+                     "need --tis-cap C > 0")
+    if args.tis_floor and args.tis_mode != "mask":
+        parser.error(f"--tis-floor {args.tis_floor:g} bounds the kept ratios of --tis-mode mask; "
+                     "--tis-mode truncate has no floor")
     if args.objective != "clip" and (args.clip_c is not None or args.algo == "dpo"):
         parser.error(f"--objective {args.objective} replaces the clipped ratio of --algo pg: "
                      "leave --clip-c (dual-clip) unset and --algo at pg")
@@ -344,7 +367,7 @@ def check_config(args, parser):
 
 def range_rules(args):
     """(flag, holds, what it must be) for the flags whose range is not just > 0 or >= 0."""
-    eps_low_top = {"gmpo": math.inf, "cispo": 1.0}.get(args.objective)  # GMPO: log space
+    eps_low_top = {"gmpo": math.inf, "cispo": 1.0, "clip-cov": 1.0}.get(args.objective)  # GMPO: log space
     return [("eps_low", 0 <= args.eps_low < 1 if eps_low_top is None else 0 <= args.eps_low <= eps_low_top,
              "in [0, 1)" if eps_low_top is None else f"in [0, {eps_low_top:g}]"),
             ("clip_c", args.clip_c is None or args.clip_c > 1, "> 1 (dual-clip) or unset"),
@@ -352,6 +375,10 @@ def range_rules(args):
             ("eval_top_p", 0 < args.eval_top_p <= 1, "in (0, 1]"),
             ("curriculum", 0 <= args.curriculum <= 1, "in [0, 1] (0 = off)"),
             ("tis_cap", args.tis_cap == 0 or args.tis_cap >= 1, "0 (off) or >= 1"),
+            ("tis_floor", args.tis_floor <= 1, "in [0, 1]"),
+            ("high_entropy_fraction", 0 < args.high_entropy_fraction <= 1, "in (0, 1] (1 = off)"),
+            ("cov_fraction", args.cov_fraction <= 1, "in (0, 1]"),
+            ("clip_cov_high", args.clip_cov_high > args.clip_cov_low, "> --clip-cov-low"),
             ("correct_reward", args.correct_reward > args.wrong_reward, "> --wrong-reward"),
             ("samples", args.samples >= 2, "at least 2 (a group needs two answers to compare)"),
             ("overlong_cache", args.overlong_cache < 1 or (
@@ -379,6 +406,8 @@ def objective_settings(args):
     """losses.OBJECTIVES[args.objective]'s own keyword arguments under these flags."""
     if args.objective == "sapo":
         return {"tau_pos": args.sapo_tau_pos, "tau_neg": args.sapo_tau_neg}
+    if args.objective == "kl-cov":
+        return {"kl_coef": args.kl_cov_coef}
     clip = {"eps_low": args.eps_low, "eps_high": args.eps_high}
     return {**clip, "clip_c": args.clip_c} if args.objective == "clip" else clip
 

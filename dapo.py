@@ -332,7 +332,10 @@ PRESET_KEYS = {
     # DPO
     "dpo_beta", "dpo_pairs",
     # optimisation
-    "lr", "warmup_steps", "weight_decay", "grad_clip", "mini_batches", "tis_cap",
+    "lr", "warmup_steps", "weight_decay", "grad_clip", "mini_batches",
+    # the objectives since DAPO and the rollout correction
+    "tis_cap", "tis_level", "tis_mode", "tis_floor", "high_entropy_fraction", "cov_fraction",
+    "clip_cov_low", "clip_cov_high", "kl_cov_coef",
     # the task (a preset made for one, as dapo-memory)
     "data", "max_new_tokens", "eval_limit",
 }
@@ -456,4 +459,23 @@ PRESETS: dict[str, dict] = {
     # SAPO (arXiv 2511.20347): the smooth gate at tau 1.0 / 1.05, a mean over sequences.
     "sapo": {**_DAPO, "objective": "sapo", "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05,
              "clip_c": None, "loss_agg": "seq-mean-token-mean"},
+    # Clip-Cov and KL-Cov (Cui et al. 2025, arXiv 2505.22617, verl's recipe/entropy): Clip-Cov
+    # removes the gradient of 2e-4 of the tokens, drawn among those of covariance in (1, 5), with
+    # the clip widened to [0, 2] (clip ratio 1); KL-Cov penalises the top 2e-3 by covariance with
+    # kl_coef 1 and no clip. Both token-level means.
+    "clip-cov": {**_DAPO, "objective": "clip-cov", "eps_low": 1.0, "eps_high": 1.0, "clip_c": None,
+                 "cov_fraction": 2e-4, "clip_cov_low": 1.0, "clip_cov_high": 5.0,
+                 "loss_agg": "token-mean"},
+    "kl-cov": {**_DAPO, "objective": "kl-cov", "cov_fraction": 2e-3, "kl_cov_coef": 1.0,
+               "clip_c": None, "loss_agg": "token-mean"},
+    # The 80/20 rule (arXiv 2506.01939): DAPO's gradient on the top 20% of tokens by entropy only.
+    "dapo-high-entropy": {**_DAPO, "high_entropy_fraction": 0.2},
+    # Rollout correction between the sampler and the trainer, on top of DAPO: truncated IS per
+    # token (Yao et al. 2025, cap 2) or per sequence (the product of the token ratios, cap 2);
+    # masked IS per token (IcePop, arXiv 2510.18855: ratios outside [0.5, 5] masked) or per
+    # sequence (MIS, Yao et al.'s follow-up: sequences above 2 masked).
+    "tis": {**_DAPO, "tis_cap": 2.0},
+    "seq-tis": {**_DAPO, "tis_cap": 2.0, "tis_level": "sequence"},
+    "icepop": {**_DAPO, "tis_cap": 5.0, "tis_floor": 0.5, "tis_mode": "mask"},
+    "seq-mis": {**_DAPO, "tis_cap": 2.0, "tis_level": "sequence", "tis_mode": "mask"},
 }

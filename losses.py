@@ -4,9 +4,11 @@ Imports only torch and the standard library, so any function here can be copied 
 
     policy_loss(logp, old_logp, advantages, mask, ...)  PPO/GRPO/DAPO clipped surrogate (clip-higher,
                                                        dual-clip), aggregated -> (loss, stats)
-    gspo_loss, cispo_loss, gmpo_loss, sapo_loss        the objectives since DAPO, same arguments
-                                                       (OBJECTIVES: by --objective name)
-    tis_weights(old_logp, sampler_logp, cap)           truncated importance sampling weights
+    gspo_loss, cispo_loss, gmpo_loss, sapo_loss,       the objectives since DAPO, same arguments
+    clip_cov_loss, kl_cov_loss                         (OBJECTIVES: by --objective name)
+    high_entropy_tokens, clip_cov_tokens, kl_cov_tokens  tokens chosen over the whole mini-batch
+    rollout_weights(old_logp, sampler_logp, mask, ...) rollout correction: TIS / MIS at the token or
+                                                       the sequence level
     aggregate(per_token, mask, agg, ...)               the four aggregation modes, with global divisors
     micro_batch_divisors(masks, group_ids, ...)        the global divisors of a mini-batch, computed
                                                        once before its micro-batches (all-reduced)
@@ -200,17 +202,36 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
     raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3")
 
 
-def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings
-    you off-policy RL training"): w_t = min(pi_old(o_t) / pi_sampler(o_t), C), no gradient.
+def rollout_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, *,
+                    cap: float, floor: float = 0.0, level: str = "token", mode: str = "truncate"):
+    """Rollout correction: weights for the gap between the policy that sampled (pi_sampler, here a
+    bf16 copy of the policy, or vLLM elsewhere) and the trainer's pi_old, no gradient.
 
-    When rollouts come from another engine or precision than the trainer (here a bf16 copy of the
-    policy), the samples follow pi_sampler while the objective assumes pi_old; w_t corrects that
-    mismatch, and the cap C bounds its variance. (B, T) log-probs in, (B, T) weights out.
+        rho_t = pi_old(o_t) / pi_sampler(o_t)      level "token": each token its own ratio
+        rho   = prod_t rho_t                       level "sequence": one ratio per row, every token
+        truncate (TIS, Yao et al. 2025):           w = min(rho, C)
+        mask (MIS; IcePop, arXiv 2510.18855):      w = rho if floor <= rho <= C, else 0
+
+    A masked token keeps its place in the aggregation's divisors, as in IcePop's objective (verl's
+    rejection sampling takes it out of the loss mask instead). (B, T) log-probs and mask in
+    -> ((B, T) weights, (B, T) bool: the loss tokens whose weight was cut or masked)
     """
-    if not cap > 0:
-        raise ValueError(f"the TIS cap must be > 0, got {cap}")
-    return torch.exp(old_logp.detach() - sampler_logp.detach()).clamp(max=cap)
+    if not cap > 0 or not 0 <= floor <= cap:
+        raise ValueError(f"rollout correction needs 0 <= floor <= cap and cap > 0, got {floor}, {cap}")
+    active = mask != 0
+    log_ratio = torch.where(active, old_logp.detach() - sampler_logp.detach(),
+                            torch.zeros_like(old_logp))                          # (B, T)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(old_logp)          # (B, T) log rho_i
+    elif level != "token":
+        raise ValueError(f"unknown rollout-correction level {level!r}; expected token or sequence")
+    ratio = torch.exp(log_ratio)                                                 # (B, T)
+    if mode == "truncate":
+        return ratio.clamp(max=cap), active & (ratio > cap)
+    if mode == "mask":
+        inside = (ratio >= floor) & (ratio <= cap)
+        return torch.where(inside, ratio, torch.zeros_like(ratio)), active & ~inside
+    raise ValueError(f"unknown rollout-correction mode {mode!r}; expected truncate or mask")
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -227,7 +248,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         dual-clip (Ye et al. 2020, arXiv 1912.09729), A_t < 0:  objective_t = max(objective_t, c A_t)
         loss_t = -objective_t          (for A_t < 0 dual-clip caps loss_t at -c A_t)
 
-    times `token_weights` (B, T) when given (no gradient: e.g. `tis_weights`), then aggregated by
+    times `token_weights` (B, T) when given (no gradient: e.g. `rollout_weights`), then aggregated by
     `agg` with the whole mini-batch's divisors (`**micro_batch_divisors(...)[k]`; left out, this
     call's own counts). Pass fp32 log-probs (the ratio of two bf16 log-probs is coarse). No clamp
     on log r: past ~88 it overflows fp32 and the trainer's non-finite check skips the update.
@@ -417,9 +438,96 @@ def sapo_loss(logp, old_logp, advantages, mask, *, tau_pos=1.0, tau_neg=1.05,
     return loss, stats
 
 
+# ---------------------------------------------------------------------------------------------
+# Tokens chosen over the whole mini-batch: the 80/20 rule, Clip-Cov and KL-Cov. Each choice takes
+# a figure of every loss token of the mini-batch on all ranks, (N,) in one order, and returns
+# (N,) bool; the trainer computes the figures in a forward without gradient before the
+# mini-batch's first backward and gives each micro-batch its part, so the choice does not depend
+# on the split.
+# ---------------------------------------------------------------------------------------------
+
+def high_entropy_tokens(entropy: torch.Tensor, top_fraction: float) -> torch.Tensor:
+    """The 80/20 rule (Wang et al. 2025, arXiv 2506.01939, eq. 5): the policy gradient reaches only
+    the tokens whose entropy is in the batch's top rho, I[H_t >= tau_rho] objective_t, tau_rho the
+    (1 - rho)-quantile of the batch's entropies (rho 0.2: the paper's). The other tokens keep their
+    place in the divisors, as in the paper's eq. 5. (N,) -> (N,) bool"""
+    if not 0 < top_fraction <= 1:
+        raise ValueError(f"the high-entropy fraction must be in (0, 1], got {top_fraction}")
+    if entropy.numel() == 0:
+        return torch.zeros_like(entropy, dtype=torch.bool)
+    threshold = torch.quantile(entropy.double(), 1.0 - top_fraction)  # linear interpolation, as TRL
+    return entropy.double() >= threshold
+
+
+def token_covariance(logp: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """Each token's term of the batch covariance of log pi and A (Cui et al. 2025, arXiv
+    2505.22617, eq. 11): Cov_t = (log pi_t - mean log pi) (A_t - mean A), means over the batch's
+    loss tokens; large where a confident token has a large advantage. (N,) -> (N,)"""
+    return (logp - logp.mean()) * (advantages - advantages.mean())
+
+
+def clip_cov_tokens(covariance, clipped, *, fraction, low, high, generator=None) -> torch.Tensor:
+    """Clip-Cov's choice (arXiv 2505.22617, sec. 4): r N tokens (at least one) drawn at random among
+    those with low < Cov_t < high that the clip has not already cut (`clipped`). r = 2e-4,
+    bounds 1 and 5: the paper's and verl's recipe. (N,) -> (N,) bool"""
+    candidates = torch.nonzero((covariance > low) & (covariance < high) & ~clipped).flatten()
+    count = min(max(int(fraction * covariance.numel()), 1), candidates.numel())
+    drawn = candidates[torch.randperm(candidates.numel(), generator=generator)[:count]]
+    chosen = torch.zeros_like(covariance, dtype=torch.bool)
+    chosen[drawn] = True
+    return chosen
+
+
+def kl_cov_tokens(covariance, *, fraction) -> torch.Tensor:
+    """KL-Cov's choice (arXiv 2505.22617, sec. 4): the r N tokens (at least one) of largest
+    covariance; r = 2e-3, the paper's recipe. (N,) -> (N,) bool"""
+    count = min(max(int(fraction * covariance.numel()), 1), covariance.numel())
+    chosen = torch.zeros_like(covariance, dtype=torch.bool)
+    chosen[torch.topk(covariance, count).indices] = True
+    return chosen
+
+
+def clip_cov_loss(logp, old_logp, advantages, mask, *, chosen=None, token_weights=None, **settings):
+    """Clip-Cov (arXiv 2505.22617, eq. 12): the clipped surrogate, with the chosen tokens'
+    gradient removed (weight 0; they keep their place in the divisors):
+
+        loss_t = -objective_t  if t not chosen,   0 (no gradient)  if t chosen
+
+    chosen: (B, T) bool from `clip_cov_tokens`. Settings and stats are `policy_loss`'s."""
+    weights = torch.ones_like(logp) if token_weights is None else token_weights.detach()
+    if chosen is not None:
+        weights = weights * (~chosen).to(logp.dtype)                    # (B, T)
+    return policy_loss(logp, old_logp, advantages, mask, token_weights=weights, **settings)
+
+
+def kl_cov_loss(logp, old_logp, advantages, mask, *, chosen=None, kl_coef=1.0, agg="token-mean",
+                token_weights=None, **divisors):
+    """KL-Cov (arXiv 2505.22617, eq. 13): the unclipped ratio for every token, and on the chosen
+    tokens a penalty on how far the policy moved:
+
+        loss_t = -r_t A_t + kl_coef I[t chosen] |log pi_theta(o_t) - log pi_old(o_t)|
+
+    kl_coef 1: the paper's recipe. chosen: (B, T) bool from `kl_cov_tokens`. -> (loss, stats;
+    nothing is clipped: its clip fractions are 0)"""
+    active = mask != 0
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    advantages = advantages.to(logp.dtype).expand_as(logp)              # (B, T)
+    log_ratio = torch.where(active, logp - old_logp, torch.zeros_like(logp))
+    ratio = torch.exp(log_ratio)                                         # (B, T)
+    per_token_loss = -ratio * advantages
+    if chosen is not None:
+        per_token_loss = per_token_loss + kl_coef * chosen.to(logp.dtype) * log_ratio.abs()
+    if token_weights is not None:
+        per_token_loss = per_token_loss * token_weights.detach()
+    loss = aggregate(per_token_loss, mask, agg, **divisors) + 0.0 * log_ratio.sum()
+    return loss, ratio_stats(ratio, advantages, active, logp, old_logp, math.inf, math.inf)
+
+
 # --objective: the surrogate the policy-gradient update minimises (policy_loss is DAPO's).
 OBJECTIVES = {"clip": policy_loss, "gspo": gspo_loss, "cispo": cispo_loss, "gmpo": gmpo_loss,
-              "sapo": sapo_loss}
+              "sapo": sapo_loss, "clip-cov": clip_cov_loss, "kl-cov": kl_cov_loss}
+CHOOSING = ("clip-cov", "kl-cov")  # the objectives that take `chosen` tokens
 
 
 # ---------------------------------------------------------------------------------------------

@@ -167,7 +167,7 @@ def train_step(run, progress):
     batch = with_old_logprobs(run, batch)                                # 4
     scored_at = time.perf_counter()
     run.policy.train()
-    update_sums, update_maxima = update(run, batch)                      # 5
+    update_sums, update_maxima = update(run, batch, progress.step)       # 5
     updated_at = time.perf_counter()
     launch.refresh_sampler(run)  # under FSDP: the weights gathered for the next rollouts
     end = time.perf_counter()
@@ -250,11 +250,11 @@ def collect_rollouts(run, progress):
             break
         # The adversarial variants of the last round's signal-less prompts first, then fresh ones.
         # A seed per prompt from its place, unique over ranks: a fresh prompt's global position in
-        # the stream (so without refills the samples do not depend on the number of ranks), a
-        # variant's rank and index.
+        # the stream (so without refills the samples do not depend on the number of ranks; one
+        # batch on, as the runs in the README were seeded), a variant's rank and index.
         count = max(want - len(requests), 0)
         places = [f"v{run.rank}.{i}" for i in range(len(requests))] + [
-            str(run.stream.position(i)) for i in range(count)]
+            str(run.stream.position(i) + args.prompts_per_step) for i in range(count)]
         records = requests + run.stream.take(count)  # only what is asked: none skipped
         seeds = [random.Random(f"{args.seed}:{progress.step}:{round_index}:{place}").getrandbits(62)
                  for place in places]
@@ -344,12 +344,13 @@ class MicroBatch:
     aux_weight: float         # this micro-batch's share of the router loss (stand-ins: 0)
 
 
-def update(run, batch):
+def update(run, batch, step=0):
     """Step 5: optimizer updates on mini-batches of a full batch's 1/mu (`update_count`: a step
     whose dynamic sampling fell short makes fewer updates, not smaller ones; the paper and verl
-    fix the mini-batch's size). For each: its micro-batches, the whole mini-batch's token counts over all ranks as
-    every micro-batch's divisors (change 3: the update is exactly one device's), loss and backward
-    on each, then one clipped optimizer step. -> (named sums, named maxima) over the updates"""
+    fix the mini-batch's size). For each: its micro-batches, the whole mini-batch's token counts
+    over all ranks as every micro-batch's divisors (change 3: the update is exactly one device's),
+    the tokens chosen over the whole mini-batch (80/20, Clip-Cov, KL-Cov), loss and backward on
+    each micro-batch, then one clipped optimizer step. -> (named sums, named maxima)"""
     args, count = run.args, update_count(run, batch)
     if args.algo == "dpo":
         return reference.dpo_update(run, batch, count)
@@ -358,7 +359,7 @@ def update(run, batch):
     first_group = sum(gather(batch.num_groups, run.world)[:run.rank]) \
         if args.loss_agg == "group-token-mean" else None
     sums, maxima = {}, {}
-    for rows in distributed.mini_batches(list(range(len(batch.tokens))), count):
+    for index, rows in enumerate(distributed.mini_batches(list(range(len(batch.tokens))), count)):
         micro = policy_micro_batches(run, batch, rows, first_group or 0)
         divisors = losses.micro_batch_divisors(
             [mb.mask for mb in micro], [mb.group_ids for mb in micro] if first_group is not None
@@ -366,11 +367,12 @@ def update(run, batch):
         if int(divisors[0]["num_tokens"]) == 0:  # no loss token on any rank: nothing to learn
             sums = add(sums, {"empty_updates": 1})
             continue
+        chosen = chosen_tokens(run, micro, f"{args.seed}:{step}:{index}")
         run.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
-        for k, (mb, divisor) in enumerate(zip(micro, divisors)):
+        for k, (mb, divisor, choice) in enumerate(zip(micro, divisors, chosen)):
             with distributed.accumulating(run.model, last=k == len(micro) - 1), launch.autocast(run):
-                loss, mb_sums, mb_maxima = policy_gradient_loss(run, mb, divisor)
+                loss, mb_sums, mb_maxima = policy_gradient_loss(run, mb, divisor, choice)
                 # DDP and FSDP average gradients over ranks; the divisors are already global, so
                 # scale back up to make that average a sum (the update then equals one device's).
                 (loss * run.world).backward()
@@ -430,20 +432,93 @@ def replay_experts(run, rollouts, rows, completion_width):
                              cfg.experts_per_token).to(run.args.device)
 
 
-def policy_gradient_loss(run, mb, divisors):
+def chosen_tokens(run, micro, seed):
+    """The tokens the 80/20 rule (--high-entropy-fraction) and Clip-Cov / KL-Cov choose among every
+    loss token of the mini-batch on all ranks: each token's figures from a forward without
+    gradient (the weights the update's forwards see), gathered in one order over ranks (a rank's
+    after those of the ranks before it), the choice (Clip-Cov's draw seeded by `seed`, the same on
+    every rank), and each micro-batch's part. -> per micro-batch {name: (b, C) bool}"""
+    args = run.args
+    names = ["high_entropy"] * (args.high_entropy_fraction < 1) + \
+        ["covariance"] * (args.objective in losses.CHOOSING)
+    if not names:
+        return [{} for _ in micro]
+    mine = [token_figures(run, mb) for mb in micro]
+    ranks = gather({key: torch.cat([f[key] for f in mine]) for key in mine[0]}, run.world)
+    every = {key: torch.cat([r[key] for r in ranks]) for key in ranks[0]}  # (N,) each
+    whole = {}
+    if "high_entropy" in names:
+        whole["high_entropy"] = losses.high_entropy_tokens(every["entropy"], args.high_entropy_fraction)
+    if "covariance" in names:
+        covariance = losses.token_covariance(every["logp"], every["advantage"])  # eq. 11
+        whole["covariance"] = losses.kl_cov_tokens(covariance, fraction=args.cov_fraction) \
+            if args.objective == "kl-cov" else losses.clip_cov_tokens(
+                covariance, every["clipped"], fraction=args.cov_fraction, low=args.clip_cov_low,
+                high=args.clip_cov_high, generator=torch.Generator().manual_seed(
+                    random.Random(seed).getrandbits(62)))
+    start, out = sum(len(r["entropy"]) for r in ranks[:run.rank]), []
+    for mb in micro:  # this rank's tokens, back into each micro-batch's (b, C) layout
+        active = mb.mask != 0
+        count = int(active.sum())
+        out.append({name: torch.zeros_like(active).masked_scatter(
+            active, flags[start:start + count].to(active.device)) for name, flags in whole.items()})
+        start += count
+    return out
+
+
+@torch.no_grad()
+def token_figures(run, mb):
+    """One micro-batch's loss tokens under the current weights, flat (n,) on the CPU: entropy,
+    log-prob, advantage, and whether the clip already cuts it (Clip-Cov leaves those out)."""
+    args, active = run.args, mb.mask != 0
+    routing = Routing(mb.replay) if run.policy.config.num_experts else None
+    with launch.autocast(run):
+        hidden = run.policy(mb.ids, mb.attn, return_hidden=True, routing=routing)
+        logp, entropy = token_logprobs(run.policy, mb.ids, mb.attn, start=mb.start, hidden=hidden,
+                                       temperature=args.temperature, with_entropy=True)  # (b, C)
+    logp = logp.float()
+    ratio = torch.exp(logp - torch.where(mb.has_old[:, None], mb.old, logp))        # (b, C)
+    advantages = mb.advantages[:, None].float().expand_as(logp)                      # (b, C)
+    clipped = ((advantages > 0) & (ratio > 1 + args.eps_high)) | (
+        (advantages < 0) & (ratio < 1 - args.eps_low))
+    return {"entropy": entropy[active].float().cpu(), "logp": logp[active].cpu(),
+            "advantage": advantages[active].cpu(), "clipped": clipped[active].cpu()}
+
+
+def token_weights(run, mb, old, chosen):
+    """Each loss token's weight (no gradient), or None for all ones: the rollout correction
+    (--tis-cap) times the 80/20 rule's choice. -> (weights (b, C) or None, named sums)"""
+    args, active, weights, sums = run.args, mb.mask != 0, None, {}
+    if args.tis_cap:
+        weights, cut = losses.rollout_weights(old, mb.sampler, mb.mask, cap=args.tis_cap,
+                                              floor=args.tis_floor, level=args.tis_level,
+                                              mode=args.tis_mode)                # (b, C)
+        sums.update(tis_weight=float((weights * active).sum()), tis_cut_frac=float(cut.sum()))
+    if "high_entropy" in chosen:
+        kept = chosen["high_entropy"].to(old.dtype)
+        weights = kept if weights is None else weights * kept
+        sums["high_entropy_frac"] = float(chosen["high_entropy"].sum())
+    return weights, sums
+
+
+def policy_gradient_loss(run, mb, divisors, chosen=None):
     """The objective of eq. 10 on one micro-batch (changes 1 and 3), with the optional entropy
-    bonus, KL / GKL term and TIS weights. -> (loss, named sums for the log, named maxima)"""
-    args, mask = run.args, mb.mask
+    bonus, KL / GKL term, rollout correction and chosen tokens. -> (loss, named sums for the log,
+    named maxima)"""
+    args, mask, chosen = run.args, mb.mask, chosen or {}
     routing = Routing(mb.replay) if run.policy.config.num_experts else None  # MoE: record, replay
     hidden = run.model(mb.ids, mb.attn, return_hidden=True, routing=routing)  # (b, P+C, H)
     logp, entropy = token_logprobs(run.policy, mb.ids, mb.attn, start=mb.start,
                                    temperature=args.temperature, with_entropy=True,
                                    entropy_grad=args.entropy_coef > 0, hidden=hidden)  # (b, C)
     old = torch.where(mb.has_old[:, None], mb.old, logp.detach())  # (b, C) pi_old
-    weights = losses.tis_weights(old, mb.sampler, args.tis_cap) if args.tis_cap else None
+    weights, weight_sums = token_weights(run, mb, old, chosen)
+    settings = config.objective_settings(args)
+    if args.objective in losses.CHOOSING:
+        settings["chosen"] = chosen.get("covariance")
     objective = losses.OBJECTIVES[args.objective]  # policy_loss: DAPO's eq. 10; or --objective's
     loss, stats = objective(logp, old, mb.advantages, mask, agg=args.loss_agg, token_weights=weights,
-                            **config.objective_settings(args), **divisors)
+                            **settings, **divisors)
     if args.entropy_coef:
         loss = loss - args.entropy_coef * losses.aggregate(entropy, mask, args.loss_agg, **divisors)
     tokens = float(stats["tokens"])
@@ -453,8 +528,9 @@ def policy_gradient_loss(run, mb, divisors):
     sums.update(loss_tokens=tokens, entropy=float((entropy.detach() * (mask != 0)).sum()),
                 mismatch=float(((old - mb.sampler).abs() * fresh).sum()),
                 mismatch_tokens=float(fresh.sum()))
-    if weights is not None:
-        sums["tis_weight"] = float((weights * (mask != 0)).sum())
+    sums.update(weight_sums)
+    if "covariance" in chosen:
+        sums["cov_chosen_frac"] = float(chosen["covariance"].sum())
     if routing is not None:  # Switch Transformer's load-balancing loss, always logged
         aux, aux_sums = moe.router_loss(routing, run.policy.config, mb.attn, mb.aux_weight)
         if args.router_aux_coef:
@@ -476,7 +552,9 @@ REWARD_TERMS = ("correct", "format", "format_ok", "integer", "xml_count", "overl
 def update_means(args):
     """The policy-gradient metrics logged as means per loss token."""
     return ["clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "ratio_mean",
-            "entropy"] + ["kl"] * (args.kl != "none") + ["tis_weight"] * bool(args.tis_cap)
+            "entropy"] + ["kl"] * (args.kl != "none") + ["tis_weight", "tis_cut_frac"] * bool(args.tis_cap) \
+        + ["high_entropy_frac"] * (args.high_entropy_fraction < 1) \
+        + ["cov_chosen_frac"] * (args.objective in losses.CHOOSING)
 
 
 def step_metrics(run, progress, collected, update_sums, update_maxima, seconds):

@@ -323,9 +323,11 @@ def _micro_batch(rows, indices):
     b = len(indices)
     out = {"x": torch.zeros(b, width, DIM, dtype=F64), "tokens": torch.zeros(b, width, dtype=torch.long),
            "old_noise": torch.zeros(b, width, dtype=F64), "mask": torch.zeros(b, width, dtype=F64),
-           "adv": torch.zeros(b, dtype=F64), "group_ids": torch.tensor([GROUPS[i] for i in indices], dtype=torch.long)}
+           "adv": torch.zeros(b, dtype=F64), "group_ids": torch.tensor([GROUPS[i] for i in indices], dtype=torch.long),
+           "chosen": torch.zeros(b, width, dtype=torch.bool)}  # Clip-Cov's / KL-Cov's tokens
     for k, i in enumerate(indices):
         n = LENGTHS[i]
+        out["chosen"][k, :n] = (i + torch.arange(n)) % 3 == 0
         out["x"][k, :n], out["tokens"][k, :n] = rows[i]["x"], rows[i]["tokens"]
         out["old_noise"][k, :n], out["mask"][k, :n], out["adv"][k] = rows[i]["old_noise"], 1.0, rows[i]["adv"]
     return out
@@ -339,6 +341,8 @@ def _micro_loss(mb, weight, ref_weight, loss_kind, agg, **divisors):
     logp = torch.log_softmax(logits, -1).gather(-1, mb["tokens"][..., None])[..., 0]  # (b, T)
     old_logp = logp.detach() + mb["old_noise"]   # ratios spread over both clip edges
     settings = OBJECTIVE_SETTINGS.get(loss_kind, {"eps_low": 0.2, "eps_high": 0.28, "clip_c": 3.0})
+    if loss_kind in losses.CHOOSING:
+        settings = {**settings, "chosen": mb["chosen"]}
     objective = losses.OBJECTIVES["clip" if loss_kind == "policy" else loss_kind]
     return objective(logp, old_logp, mb["adv"], mb["mask"], agg=agg, **settings, **divisors)[0]
 
@@ -347,8 +351,10 @@ def _micro_loss(mb, weight, ref_weight, loss_kind, agg, **divisors):
 OBJECTIVE_SETTINGS = {"gspo": {"eps_low": 0.05, "eps_high": 0.08},
                       "cispo": {"eps_low": 0.3, "eps_high": 0.2},
                       "gmpo": {"eps_low": 0.3, "eps_high": 0.2},
-                      "sapo": {"tau_pos": 1.0, "tau_neg": 1.05}}
-LOSS_KINDS = ["policy", "gkl", "gspo", "cispo", "gmpo", "sapo"]
+                      "sapo": {"tau_pos": 1.0, "tau_neg": 1.05},
+                      "clip-cov": {"eps_low": 0.2, "eps_high": 0.28},
+                      "kl-cov": {"kl_coef": 0.5}}
+LOSS_KINDS = ["policy", "gkl", "gspo", "cispo", "gmpo", "sapo", "clip-cov", "kl-cov"]
 
 
 def _loss_and_grad(split, loss_kind, agg, use_global_divisors=True, max_tokens=None):
@@ -643,3 +649,104 @@ def test_sequence_objectives_refuse_token_advantages(objective):
     with pytest.raises(ValueError, match="one advantage per sequence"):
         losses.OBJECTIVES[objective](torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3),
                                      torch.ones(2, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout correction and the tokens chosen over a mini-batch: hand-computed vectors
+# ---------------------------------------------------------------------------------------------
+
+# log pi_old - log pi_sampler: row 0: 0.5, -1.0, 0.0 (sum -0.5); row 1: -0.8, 0.9 (sum 0.1), pad.
+ROLLOUT_OLD = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]], dtype=F64)
+ROLLOUT_SAMPLER = torch.tensor([[-1.5, -1.0, -0.5], [-0.2, -1.9, 5.0]], dtype=F64)
+ROLLOUT_MASK = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=F64)
+
+
+@pytest.mark.parametrize("settings,weights,cut", [
+    (dict(cap=1.5), [[1.5, 0.367879, 1.0], [0.449329, 1.5]], [[1, 0, 0], [0, 1]]),         # TIS
+    (dict(cap=1.05, level="sequence"), [[0.606531] * 3, [1.05] * 2], [[0, 0, 0], [1, 1]]),
+    (dict(cap=2.0, floor=0.5, mode="mask"), [[1.648721, 0.0, 1.0], [0.0, 0.0]],          # IcePop
+     [[0, 1, 0], [1, 1]]),
+    (dict(cap=1.05, level="sequence", mode="mask"), [[0.606531] * 3, [0.0, 0.0]],        # MIS
+     [[0, 0, 0], [1, 1]]),
+], ids=["token-truncate", "sequence-truncate", "token-mask", "sequence-mask"])
+def test_rollout_weights_vectors(settings, weights, cut):
+    got, got_cut = losses.rollout_weights(ROLLOUT_OLD, ROLLOUT_SAMPLER, ROLLOUT_MASK, **settings)
+    assert torch.allclose(got[0], torch.tensor(weights[0], dtype=F64), atol=1e-6)
+    assert torch.allclose(got[1, :2], torch.tensor(weights[1], dtype=F64), atol=1e-6)
+    assert got_cut[0].tolist() == [bool(c) for c in cut[0]]
+    assert got_cut[1].tolist() == [bool(c) for c in cut[1]] + [False]  # padding is never counted
+    with pytest.raises(ValueError):
+        losses.rollout_weights(ROLLOUT_OLD, ROLLOUT_SAMPLER, ROLLOUT_MASK, cap=1.0, floor=2.0, mode="mask")
+
+
+def test_masked_tokens_keep_their_place_in_the_divisor():
+    """IcePop's objective: a masked token contributes 0 to a sum still divided by every token."""
+    logp = ROLLOUT_OLD.clone().requires_grad_()
+    weights, _ = losses.rollout_weights(ROLLOUT_OLD, ROLLOUT_SAMPLER, ROLLOUT_MASK, cap=2.0,
+                                        floor=0.5, mode="mask")
+    loss, _ = losses.policy_loss(logp, ROLLOUT_OLD, torch.tensor([1.0, -1.0], dtype=F64),
+                                 ROLLOUT_MASK, token_weights=weights)
+    loss.backward()
+    # ratio 1 everywhere: loss_t = -A w_t; only row 0's tokens 0 and 2 are kept; 5 loss tokens.
+    assert loss.item() == pytest.approx(-(1.648721 + 1.0) / 5, abs=1e-6)
+    assert logp.grad[0].tolist() == pytest.approx([-1.648721 / 5, 0.0, -1.0 / 5], abs=1e-6)
+    assert logp.grad[1].abs().max().item() == 0.0
+
+
+def test_high_entropy_tokens_vector():
+    entropy_ = torch.tensor([0.1, 0.5, 0.9, 0.3, 0.7])
+    # the 0.6-quantile of 0.1 0.3 0.5 0.7 0.9 is 0.58: the top 40% are 0.9 and 0.7
+    assert losses.high_entropy_tokens(entropy_, 0.4).tolist() == [False, False, True, False, True]
+    assert losses.high_entropy_tokens(entropy_, 1.0).all()
+    assert losses.high_entropy_tokens(torch.full((4,), 0.2), 0.25).all()  # ties all pass
+    assert losses.high_entropy_tokens(torch.zeros(0), 0.2).numel() == 0
+    with pytest.raises(ValueError):
+        losses.high_entropy_tokens(entropy_, 0.0)
+
+
+def test_covariance_choices_vectors():
+    # mean log pi -2, mean A 0: Cov = (1)(1), (0)(1), (-1)(-2)
+    covariance = losses.token_covariance(torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([1.0, 1.0, -2.0]))
+    assert covariance.tolist() == [1.0, 0.0, 2.0]
+    assert losses.kl_cov_tokens(covariance, fraction=0.34).tolist() == [False, False, True]
+    assert losses.kl_cov_tokens(covariance, fraction=0.7).tolist() == [True, False, True]
+    assert losses.kl_cov_tokens(covariance, fraction=1e-9).sum() == 1  # at least one token
+    # Clip-Cov draws among 1 < Cov < 5 not already clipped: positions 1 and 4.
+    covariance = torch.tensor([0.5, 2.0, 3.0, 6.0, 4.0])
+    clipped = torch.tensor([False, False, True, False, False])
+    one = losses.clip_cov_tokens(covariance, clipped, fraction=0.2, low=1.0, high=5.0,
+                                 generator=torch.Generator().manual_seed(0))
+    assert one.sum() == 1 and (one[1] or one[4])
+    again = losses.clip_cov_tokens(covariance, clipped, fraction=0.2, low=1.0, high=5.0,
+                                   generator=torch.Generator().manual_seed(0))
+    assert torch.equal(one, again)  # the draw is the generator's
+    both = losses.clip_cov_tokens(covariance, clipped, fraction=1.0, low=1.0, high=5.0)
+    assert both.tolist() == [False, True, False, False, True]  # no more than the candidates
+
+
+def test_kl_cov_loss_vector():
+    # r = e^0.2, e^-0.5; A = 2; token 1 chosen, coef 0.5, token mean over 2:
+    # loss = (-2 e^0.2 + (-2 e^-0.5 + 0.5 * 0.5)) / 2
+    logp = torch.tensor([[-1.0, -2.0]], dtype=F64)
+    old = torch.tensor([[-1.2, -1.5]], dtype=F64)
+    chosen = torch.tensor([[False, True]])
+    loss, grad, stats = _grad_of(losses.kl_cov_loss, logp, old, torch.tensor([2.0], dtype=F64),
+                                 torch.ones(1, 2), chosen=chosen, kl_coef=0.5)
+    r0, r1 = math.exp(0.2), math.exp(-0.5)
+    assert loss == pytest.approx((-2 * r0 - 2 * r1 + 0.25) / 2, abs=1e-12)
+    # d/dlogp: -A r_t, and for the chosen token + coef sign(log r) = -0.5
+    assert grad[0].tolist() == pytest.approx([-2 * r0 / 2, (-2 * r1 - 0.5) / 2], abs=1e-12)
+    assert stats["clip_frac_high"] == 0 and stats["clip_frac_low"] == 0
+
+
+def test_clip_cov_loss_drops_the_chosen_gradients_only():
+    torch.manual_seed(5)
+    logp, old = torch.randn(2, 4, dtype=F64), torch.randn(2, 4, dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=F64)
+    advantages = torch.tensor([0.7, -1.2], dtype=F64)
+    chosen = torch.tensor([[True, False, False, False], [False, False, True, False]])
+    _, grad, _ = _grad_of(losses.clip_cov_loss, logp, old, advantages, mask, chosen=chosen,
+                          eps_low=1.0, eps_high=1.0)
+    _, plain_grad, _ = _grad_of(losses.policy_loss, logp, old, advantages, mask, eps_low=1.0, eps_high=1.0)
+    assert grad[chosen].abs().max() == 0
+    assert torch.equal(grad[~chosen], plain_grad[~chosen])  # the same divisor for the rest

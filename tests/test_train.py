@@ -384,7 +384,7 @@ def test_ddp_resume_is_exact_per_rank(tiny, tmp_path):
     resumed = tmp_path / "resumed"
     run_train(common + ["--steps", "3", "--out", str(resumed)], launcher=torchrun())
     state = torch.load(resumed / "checkpoint.pt", weights_only=True)
-    positions = [s["data"]["step"] for s in state["per_rank"]]
+    positions = [s["data"]["taken"] for s in state["per_rank"]]
     assert positions[0] != positions[1], positions  # the ranks' data positions differ at step 3
     run_train(["--resume", str(resumed), "--steps", "8"], launcher=torchrun())
     assert_same_run(straight, resumed)
@@ -399,7 +399,10 @@ UPDATE_METRICS = ("entropy", "clip_frac_low", "clip_frac_high", "approx_kl", "ra
     ["--mini-batches", "2"],
     ["--kl", "gkl", "--kl-coef", "1.0"],
     ["--adv-estimator", "reinforce_baseline"],  # whitened over both ranks as over one process
-], ids=["dapo", "gkl", "reinforce_baseline"])
+    # tokens chosen over both ranks' mini-batch, as over one process's
+    ["--high-entropy-fraction", "0.3", "--objective", "kl-cov", "--cov-fraction", "0.1",
+     "--mini-batches", "2"],
+], ids=["dapo", "gkl", "reinforce_baseline", "chosen-tokens"])
 def test_ddp_two_ranks_equal_one_process(tiny, tmp_path, variant):
     """The same global batch in one process and on two gloo ranks: the same weights after the
     updates and the same metrics (summed over ranks, not rank 0's share)."""
@@ -639,6 +642,64 @@ def test_truncated_importance_sampling_reweights_tokens(tiny, tmp_path):
     (plain, plain_weights), (tis, tis_weights) = results
     assert "tis_weight" not in plain and tis["tis_weight"] == pytest.approx(2.0 * tis["loss_tokens"])
     assert any(not torch.equal(plain_weights[k], tis_weights[k]) for k in plain_weights)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--high-entropy-fraction", "0.3", "--objective", "clip-cov", "--eps-low", "1.0", "--eps-high",
+     "1.0", "--cov-fraction", "0.2", "--clip-cov-low", "-100", "--clip-cov-high", "100"],
+    ["--objective", "kl-cov", "--cov-fraction", "0.3"],
+], ids=["80-20-and-clip-cov", "kl-cov"])
+def test_chosen_tokens_do_not_depend_on_the_micro_batches(tiny, tmp_path, extra):
+    """The 80/20 rule and Clip-Cov / KL-Cov choose among the whole mini-batch's tokens (a
+    forward before the first backward), so micro-batches of 1 row and of 4 give the same update;
+    choosing within each micro-batch would not."""
+    import train
+    batch = rollouts(advantages=[1.0, -1.0, -1.0, 1.0],  # pi_old away from the policy: |log r| > 0
+                     old_logprobs=[[-3.0, -1.0], [-4.0], [-0.5, -6.0, -2.0], [-1.0]])
+    results = []
+    for size in ("1", "4"):
+        run = in_process_run(tmp_path / size, tiny, "--micro-batch-size", size, *extra)
+        sums, _ = train.update(run, batch, step=3)
+        results.append((sums, {k: v.clone() for k, v in run.policy.state_dict().items()}))
+    (one, one_weights), (four, four_weights) = results
+    assert one["cov_chosen_frac"] == four["cov_chosen_frac"] > 0
+    assert one.get("high_entropy_frac") == four.get("high_entropy_frac")
+    assert one["loss_tokens"] == four["loss_tokens"] == 7
+    assert one["grad_norm"] == pytest.approx(four["grad_norm"], rel=1e-6)
+    for k in one_weights:  # (AdamW's step makes float rounding of near-0 gradients ~1e-6)
+        assert torch.allclose(one_weights[k], four_weights[k], atol=1e-5, rtol=0), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tis", "seq-tis", "icepop", "seq-mis"])
+def test_each_rollout_correction_acts_in_a_run(tiny, tmp_path, preset):
+    """On the bf16 path the sampler (a bf16 copy) and the trainer differ a little: with bounds
+    that tight, each correction cuts or masks some tokens and not all."""
+    model_dir, data_file = tiny
+    out = tmp_path / preset
+    bounds = ["--tis-cap", "1.002"] + (["--tis-floor", "0.998"] if preset == "icepop" else [])
+    run_train(["--preset", preset, "--model", model_dir, "--data", data_file, "--steps", "2",
+               "--out", str(out)] + flags(dtype="bfloat16", max_new_tokens="8") + bounds)
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["tis_level"], saved["tis_mode"]) == {
+        "tis": ("token", "truncate"), "seq-tis": ("sequence", "truncate"),
+        "icepop": ("token", "mask"), "seq-mis": ("sequence", "mask")}[preset]
+    rows = metrics(out)
+    assert all(r["skipped_updates"] == 0 for r in rows)
+    assert 0 < max(r["tis_cut_frac"] for r in rows) and min(r["tis_cut_frac"] for r in rows) < 1
+
+
+def test_rollout_correction_flags_are_checked():
+    import config
+    assert config.parse_config(["--preset", "icepop", "--model", "x"])[0].tis_floor == 0.5
+    for argv, named in [(["--tis-level", "sequence"], "--tis-cap"),
+                        (["--tis-cap", "2", "--tis-floor", "0.5"], "--tis-mode mask"),
+                        (["--tis-cap", "2", "--tis-mode", "mask", "--tis-floor", "1.5"], "--tis-floor"),
+                        (["--high-entropy-fraction", "0"], "--high-entropy-fraction"),
+                        (["--objective", "clip-cov", "--clip-cov-low", "5", "--clip-cov-high", "1"],
+                         "--clip-cov-high")]:
+        with pytest.raises(SystemExit):
+            config.parse_config(["--model", "x"] + argv)
 
 
 def test_reward_flags_reach_the_reward(tiny, tmp_path):
@@ -1119,12 +1180,17 @@ def test_replayed_routing_lines_up_with_the_packed_batch(tiny, tmp_path):
     assert torch.equal(replay[fed], free.stacked(run.policy.config)[fed])
 
 
+# Clip-Cov's covariance window, widened for the tiny model's small covariances.
+PRESET_FLAGS = {"clip-cov": ["--clip-cov-low", "-100", "--clip-cov-high", "100"]}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["gspo", "cispo", "gmpo", "sapo"])
+@pytest.mark.parametrize("preset", ["gspo", "cispo", "gmpo", "sapo", "clip-cov", "kl-cov",
+                                    "dapo-high-entropy"])
 def test_each_objective_acts_in_a_run(tiny, tmp_path, preset):
     """Each objective's preset reaches its loss: two steps of four updates (so the ratio leaves 1),
     finite updates, and the objective's own figure moving where it has one (GSPO's narrow
-    sequence clip, CISPO's cut weights)."""
+    sequence clip, CISPO's cut weights, the tokens the 80/20 rule and Clip-Cov / KL-Cov choose)."""
     import losses
     model_dir, _ = tiny
     data_file = learnable_data(tmp_path / "learnable.jsonl")
@@ -1132,10 +1198,16 @@ def test_each_objective_acts_in_a_run(tiny, tmp_path, preset):
     run_train(["--preset", preset, "--model", model_dir, "--data", data_file, "--steps", "2",
                "--max-refills", "1", "--template", "none", "--out", str(out)]
               + flags(lr="1e-2", max_new_tokens="24", prompts_per_step="8", seed="1",
-                      mini_batches="4"))
+                      mini_batches="4") + PRESET_FLAGS.get(preset, []))
     saved = json.loads((out / "config.json").read_text())
-    assert saved["objective"] == preset and losses.OBJECTIVES[preset] is not losses.policy_loss
     rows = metrics(out)
+    if preset == "dapo-high-entropy":  # the top 20% of each mini-batch's tokens (ties: a few more)
+        assert saved["high_entropy_fraction"] == 0.2
+        assert all(0.2 <= r["high_entropy_frac"] < 0.3 for r in rows)
+        return
+    assert saved["objective"] == preset and losses.OBJECTIVES[preset] is not losses.policy_loss
+    if preset in losses.CHOOSING:  # 2e-4 / 2e-3 of a mini-batch's tokens: at least one
+        assert all(0 < r["cov_chosen_frac"] < 0.05 for r in rows)
     assert all(r["skipped_updates"] == 0 and math.isfinite(r["grad_norm"]) for r in rows)
     assert max(r["ratio_max"] or 0.0 for r in rows) > 1.0  # later updates see a moved policy
     clipped = max(r["clip_frac_high"] + r["clip_frac_low"] for r in rows if r["clip_frac_high"] is not None)
