@@ -164,8 +164,10 @@ def reward_flags(g):
 
 def algorithm_flags(g):
     g.add_argument("--algo", default="pg", choices=["pg", "dpo"], help="policy gradient or DPO")
-    g.add_argument("--adv-estimator", default="grpo", choices=list(dapo.ADVANTAGE_KINDS),
-                   help="advantage estimator")
+    g.add_argument("--adv-estimator", default="grpo", choices=list(dapo.ADVANTAGE_ESTIMATORS),
+                   help="advantage estimator (reinforce_pp: REINFORCE++, one per token)")
+    g.add_argument("--reward-kl-coef", type=float, default=1e-4,
+                   help="REINFORCE++: beta of the KL to the reference in each token's reward")
     g.add_argument("--loss-agg", default="token-mean", choices=list(losses.AGGREGATIONS),
                    help="loss aggregation")
     g.add_argument("--objective", default="clip", choices=list(losses.OBJECTIVES),
@@ -293,7 +295,8 @@ POSITIVE_FLOATS = ["checkpoint_minutes", "lora_alpha", "temperature", "overlong_
                    "dpo_beta", "lr", "grad_clip", "sapo_tau_pos", "sapo_tau_neg", "cov_fraction"]
 NONNEGATIVE_FLOATS = ["time_limit", "format_weight", "ppl_threshold", "efficiency_weight",
                       "eps_high", "entropy_coef", "kl_coef", "gkl_alpha", "gkl_beta",
-                      "weight_decay", "tis_cap", "tis_floor", "router_aux_coef", "kl_cov_coef"]
+                      "weight_decay", "tis_cap", "tis_floor", "router_aux_coef", "kl_cov_coef",
+                      "reward_kl_coef"]
 OTHER_FLOATS = ["correct_reward", "wrong_reward", "eps_low", "clip_c", "top_p", "eval_top_p",
                 "curriculum", "high_entropy_fraction", "clip_cov_low", "clip_cov_high"]
 
@@ -355,7 +358,11 @@ def check_config(args, parser):
     if args.algo == "dpo" and str(args.data).startswith("memory"):
         parser.error("--algo dpo pairs single completions; the memory task's episodes have "
                      "several turns: use a policy-gradient preset (dapo-memory)")
-    if args.ref == "lora-off" and args.lora_rank == 0 and (args.kl != "none" or args.algo == "dpo"):
+    if args.adv_estimator == "reinforce_pp" and (args.objective in ("gspo", "gmpo") or args.algo == "dpo"):
+        parser.error(f"--adv-estimator reinforce_pp gives each token its own advantage; "
+                     f"{'--algo dpo' if args.algo == 'dpo' else '--objective ' + args.objective} "
+                     "takes one per sequence")
+    if args.ref == "lora-off" and args.lora_rank == 0 and needs_reference(args):
         parser.error("--ref lora-off needs --lora-rank > 0")
     if args.quantize != "none" and args.lora_rank == 0:
         parser.error(f"--quantize {args.quantize} freezes the base in 4 bits: it needs "
@@ -363,6 +370,11 @@ def check_config(args, parser):
     if args.quantize != "none" and args.fsdp:
         parser.error(f"--quantize {args.quantize} with --fsdp: FSDP shards parameters and a "
                      "quantised base is buffers; use one or the other")
+
+
+def needs_reference(args):
+    """Whether the run compares the policy with a reference policy."""
+    return args.kl != "none" or args.algo == "dpo" or args.adv_estimator == "reinforce_pp"
 
 
 def range_rules(args):

@@ -15,6 +15,7 @@ Imports only torch and the standard library, so any function here can be copied 
 
     group_advantages(rewards, group_size, kind, eps)   grpo / dr_grpo / rloo / reinforce_baseline
     whiten(values, moments, eps), moments(values)      batch whitening, exact under DDP
+    kl_penalised_returns(reward, kl, beta)             REINFORCE++: returns with a KL in the reward
     keep_groups(correct, group_size)                   eq. 11: which groups carry a learning signal
     adversarial_requests(correct, group_size)          which signal-less groups to re-ask, and how
     adaptive_num_samples(accuracies, total, ...)       difficulty-adaptive samples per prompt
@@ -35,7 +36,8 @@ import math
 
 import torch
 
-ADVANTAGE_KINDS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")
+ADVANTAGE_KINDS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")  # one per sequence, by group
+ADVANTAGE_ESTIMATORS = ADVANTAGE_KINDS + ("reinforce_pp",)            # --adv-estimator
 
 
 def _group_sizes(num_items: int, group_size) -> list[int]:
@@ -112,8 +114,9 @@ def moments(values) -> torch.Tensor:
                         values.sum(), (values * values).sum()])
 
 
-def whiten(values, batch_moments=None, eps: float = 1e-6) -> torch.Tensor:
-    """values / (std + eps), std the unbiased standard deviation over the whole batch.
+def whiten(values, batch_moments=None, eps: float = 1e-6, center: bool = False) -> torch.Tensor:
+    """values / (std + eps), std the unbiased standard deviation over the whole batch; with
+    `center`, (values - mean) / (std + eps) (REINFORCE++'s normalisation).
 
     For group-centred advantages (REINFORCE++-baseline) the batch mean is 0 by construction (each
     group sums to 0), so whitening divides by the std and subtracts nothing: an all-equal group
@@ -127,7 +130,21 @@ def whiten(values, batch_moments=None, eps: float = 1e-6) -> torch.Tensor:
     if count < 2:
         return values
     variance = max(0.0, (square_total - total * total / count) / (count - 1))
-    return values / (math.sqrt(variance) + eps)
+    return (values - total / count * center) / (math.sqrt(variance) + eps)
+
+
+def kl_penalised_returns(reward: float, kl, beta: float) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262, eqs. 3-4): the outcome reward at the last token and
+    a KL penalty at every token, summed to the end (gamma 1):
+
+        r_t = I(t = T) r(x, y) - beta KL_t,   KL_t = log pi_old(o_t) - log pi_ref(o_t)   (k1)
+        G_t = sum_{s >= t} r_s = r(x, y) - beta sum_{s >= t} KL_s
+
+    kl: (T,) per token -> (T,) fp64 returns (normalise them over the batch with `whiten(...,
+    center=True)`)."""
+    kl = torch.as_tensor(kl, dtype=torch.float64)
+    to_the_end = torch.flip(torch.cumsum(torch.flip(kl, [0]), 0), [0])      # (T,) sum_{s >= t}
+    return reward - beta * to_the_end
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,7 +351,7 @@ PRESET_KEYS = {
     # optimisation
     "lr", "warmup_steps", "weight_decay", "grad_clip", "mini_batches",
     # the objectives since DAPO and the rollout correction
-    "tis_cap", "tis_level", "tis_mode", "tis_floor", "high_entropy_fraction", "cov_fraction",
+    "reward_kl_coef", "tis_cap", "tis_level", "tis_mode", "tis_floor", "high_entropy_fraction", "cov_fraction",
     "clip_cov_low", "clip_cov_high", "kl_cov_coef",
     # the task (a preset made for one, as dapo-memory)
     "data", "max_new_tokens", "eval_limit",
@@ -411,6 +428,9 @@ PRESETS: dict[str, dict] = {
     # Dr. GRPO (arXiv 2503.20783): no std division, sum over tokens / a constant budget, no KL.
     "dr_grpo": {**_BASELINE, "adv_estimator": "dr_grpo", "loss_agg": "seq-mean-token-sum-norm"},
     "rloo": {**_BASELINE, "adv_estimator": "rloo"},
+    # REINFORCE++ (arXiv 2501.03262): token returns with a k1 KL to the reference in the reward,
+    # normalised over the batch's tokens; beta 1e-4 as OpenRLHF's README example.
+    "reinforce_pp": {**_BASELINE, "adv_estimator": "reinforce_pp", "reward_kl_coef": 1e-4},
     "reinforce_baseline": {**_BASELINE, "adv_estimator": "reinforce_baseline"},
     # DPO on correct-vs-incorrect pairs of the same prompt (dpo_pairs), against a frozen reference.
     "dpo": {"algo": "dpo", "dpo_beta": 0.1, "dpo_pairs": "full", "correct_reward": 1.0,

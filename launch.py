@@ -196,8 +196,8 @@ def policy_copies(args, policy, bf16):
     device = args.device
     sampler = copy.deepcopy(policy).to(torch.bfloat16 if bf16 else torch.float32).eval() \
         if (bf16 and not args.lora_rank) or args.fsdp else policy
-    needs_reference = (args.kl != "none" or args.algo == "dpo") and args.ref == "frozen"
-    reference = copy.deepcopy(policy).eval().requires_grad_(False) if needs_reference else None
+    frozen = config.needs_reference(args) and args.ref == "frozen"
+    reference = copy.deepcopy(policy).eval().requires_grad_(False) if frozen else None
     if args.fsdp:
         sharding.shard(policy, bf16_on_cuda=bf16 and device.type == "cuda")
         if reference is not None:
@@ -465,6 +465,13 @@ def peak_memory_mib(args):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def row_advantage(advantage):
+    """A row's advantage for the log: its own, or its tokens' mean (REINFORCE++)."""
+    if isinstance(advantage, list):
+        return sum(advantage) / len(advantage) if advantage else 0.0
+    return advantage
+
+
 def sample_lines(run, batch, step):
     """A few of the step's completions with their rewards and advantages, for samples.jsonl:
     what the model actually says as it learns. (When every group was dropped, the first round's,
@@ -478,6 +485,6 @@ def sample_lines(run, batch, step):
                       "answer": batch.records[group]["answer"],
                       "completion": run.tokenizer.decode(batch.tokens[i], skip_special_tokens=True),
                       "reward": batch.rewards[i],
-                      "advantage": batch.advantages[i] if batch.advantages else 0.0,
+                      "advantage": row_advantage(batch.advantages[i]) if batch.advantages else 0.0,
                       "truncated": batch.truncated[i], **batch.reward_parts[i]})
     return lines

@@ -37,6 +37,7 @@ directory in runs.py; the reference policy's terms and DPO in reference.py.
 """
 
 import dataclasses
+import functools
 import itertools
 import math
 import random
@@ -163,8 +164,8 @@ def train_step(run, progress):
     with torch.no_grad():
         collected = collect_rollouts(run, progress)                      # 1-2
     sampled_at = time.perf_counter()
-    batch = with_advantages(run, collected.kept)                         # 3
-    batch = with_old_logprobs(run, batch)                                # 4
+    batch = with_old_logprobs(run, collected.kept)                       # 4 (3 may read it)
+    batch = with_advantages(run, batch)                                  # 3
     scored_at = time.perf_counter()
     run.policy.train()
     update_sums, update_maxima = update(run, batch, progress.step)       # 5
@@ -287,6 +288,8 @@ def collect_rollouts(run, progress):
 
 def with_advantages(run, batch):
     """Step 3: group-relative advantages (eq. 9, or the --adv-estimator)."""
+    if run.args.adv_estimator == "reinforce_pp":  # one per token, the KL to the reference inside
+        return replace(batch, advantages=reinforce_pp_advantages(run, batch))
     # One advantage per episode (the group: a prompt's G episodes), given to each of its turns.
     rewards_ = torch.tensor([batch.rewards[i] for i in batch.episode_starts()],
                             dtype=torch.float64)  # (E,)
@@ -299,30 +302,64 @@ def with_advantages(run, batch):
     return replace(batch, advantages=advantages[batch.episode_index()].tolist())  # (N,)
 
 
+def reinforce_pp_advantages(run, batch):
+    """REINFORCE++ (arXiv 2501.03262): each row's returns with a k1 KL to the reference in the
+    reward at every token (`dapo.kl_penalised_returns`; pi_old from step 4), then normalised over
+    every token of the batch on all ranks. A turn of an episode is a row: its returns hold its
+    own tokens' KL. -> per row, a list of token advantages"""
+    rows = list(range(len(batch.tokens)))
+    reference_logprobs = scored_logprobs(run, batch, rows, under_reference=True)
+    returns = [dapo.kl_penalised_returns(batch.rewards[i], torch.tensor(batch.old_logprobs[i],
+                                         dtype=torch.float64) - torch.tensor(reference_logprobs[i],
+                                         dtype=torch.float64), run.args.reward_kl_coef)
+               for i in rows]                                                  # (T_i,) each
+    flat = torch.cat(returns) if returns else torch.zeros(0, dtype=torch.float64)  # (sum T_i,)
+    normalised = dapo.whiten(flat, all_reduce(dapo.moments(flat)), center=True)
+    return [part.tolist() for part in normalised.split([len(r) for r in returns])]
+
+
 @torch.no_grad()
 def with_old_logprobs(run, batch):
     """Step 4: pi_old of eq. 10, the trainer's log-probs before this step's first update. With
-    one update this step they equal the update's own (detached), so nothing is computed here.
-    Groups carried from the last step keep their sampler's log-probs: that policy sampled them."""
+    one update this step they equal the update's own (detached), so nothing is computed here
+    (REINFORCE++ needs them for its advantages all the same). Groups carried from the last step
+    keep their sampler's log-probs: that policy sampled them."""
     args = run.args
     old = [list(lp) if stale else None for lp, stale in zip(batch.sampler_logprobs, batch.stale)]
-    if args.algo == "pg" and update_count(run, batch) > 1:  # (DPO has no ratio)
-        fresh, size = [i for i, stale in enumerate(batch.stale) if not stale], args.micro_batch_size
-        # As many forwards on every rank (stand-ins where a rank has fewer rows): under FSDP each
-        # forward gathers weights with the other ranks.
-        for k in range(distributed.micro_batch_count(len(fresh), size)):
-            rows = fresh[k * size:(k + 1) * size]
-            ids, attn, _, start = data.pack([batch.prompts[i] for i in rows] or [[0]],
-                                            [batch.tokens[i] for i in rows] or [[0]], args.device)
-            replay = replay_experts(run, batch, rows, ids.shape[1] - start) if rows else None
-            routing = Routing(replay) if run.policy.config.num_experts else None
-            with launch.autocast(run):
-                hidden = run.policy(ids, attn, return_hidden=True, routing=routing)
-                logp = token_logprobs(run.policy, ids, attn, start=start, hidden=hidden,
-                                      temperature=args.temperature).float().cpu()  # (b, C)
-            for j, i in enumerate(rows):
-                old[i] = logp[j, :len(batch.tokens[i])].tolist()
+    if args.algo == "pg" and (update_count(run, batch) > 1 or args.adv_estimator == "reinforce_pp"):
+        fresh = [i for i, stale in enumerate(batch.stale) if not stale]
+        for i, logp in zip(fresh, scored_logprobs(run, batch, fresh)):
+            old[i] = logp
     return replace(batch, old_logprobs=old)
+
+
+@torch.no_grad()
+def scored_logprobs(run, batch, rows, under_reference=False):
+    """The token log-probs of `rows` of `batch` under the policy (or the reference), a micro-batch
+    at a time. -> per row, a list"""
+    args, size, out = run.args, run.args.micro_batch_size, []
+    # As many forwards on every rank (stand-ins where a rank has fewer rows): under FSDP each
+    # forward gathers weights with the other ranks.
+    for k in range(distributed.micro_batch_count(len(rows), size)):
+        part = rows[k * size:(k + 1) * size]
+        ids, attn, _, start = data.pack([batch.prompts[i] for i in part] or [[0]],
+                                        [batch.tokens[i] for i in part] or [[0]], args.device)
+        replay = replay_experts(run, batch, part, ids.shape[1] - start) if part else None
+        score = functools.partial(completion_logprobs, ids=ids, attn=attn, start=start,
+                                  replay=replay, temperature=args.temperature)
+        with launch.autocast(run):
+            logp = reference.reference_forward(run, score) if under_reference else score(run.policy)
+        out += [logp[j, :len(batch.tokens[i])].tolist() for j, i in enumerate(part)]
+    return out
+
+
+def completion_logprobs(model, ids, attn, start, replay, temperature):
+    """(b, C) fp32 log-probs of the completions in `ids` under `model`, on the CPU; an MoE replays
+    the sampler's experts (--routing-replay) or routes afresh."""
+    routing = Routing(replay) if model.config.num_experts else None
+    hidden = model(ids, attn, return_hidden=True, routing=routing)
+    return token_logprobs(model, ids, attn, start=start, hidden=hidden,
+                          temperature=temperature).float().cpu()
 
 
 # ---- 5: the updates -----------------------------------------------------------------------------
@@ -334,7 +371,7 @@ class MicroBatch:
     attn: torch.Tensor        # (b, P+C)
     start: int                # P: where the completions start
     mask: torch.Tensor        # (b, C) the loss tokens (change 4 masks truncated completions)
-    advantages: torch.Tensor  # (b,)
+    advantages: torch.Tensor  # (b,), or (b, C) one per token (REINFORCE++)
     old: torch.Tensor         # (b, C) pi_old, where has_old (else the update's own, detached)
     has_old: torch.Tensor     # (b,)
     sampler: torch.Tensor     # (b, C) the sampler's log-probs
@@ -409,7 +446,7 @@ def policy_micro_batches(run, batch, rows, first_group):
         out.append(MicroBatch(
             ids=packed.ids, attn=packed.attn, start=packed.start,
             mask=packed.mask * torch.tensor(keep, device=device)[:, None],
-            advantages=torch.tensor([rollouts.advantages[i] for i in part], device=device),
+            advantages=advantages_of(rollouts, part, width, device),
             old=data.pad_rows([o or [] for o in old], width, device),
             has_old=torch.tensor([o is not None for o in old], device=device),
             sampler=data.pad_rows([rollouts.sampler_logprobs[i] for i in part], width, device),
@@ -419,6 +456,14 @@ def policy_micro_batches(run, batch, rows, first_group):
             # the router loss: a mean over the micro-batches of every rank (stand-ins: none)
             aux_weight=0.0 if rollouts is STAND_IN else 1.0 / (count * run.world)))
     return out
+
+
+def advantages_of(rollouts, rows, width, device):
+    """(b,) one advantage per row, or (b, C) one per token (REINFORCE++)."""
+    values = [rollouts.advantages[i] for i in rows]
+    if isinstance(values[0], list):
+        return data.pad_rows(values, width, device)
+    return torch.tensor(values, device=device)
 
 
 def replay_experts(run, rollouts, rows, completion_width):
@@ -478,7 +523,8 @@ def token_figures(run, mb):
                                        temperature=args.temperature, with_entropy=True)  # (b, C)
     logp = logp.float()
     ratio = torch.exp(logp - torch.where(mb.has_old[:, None], mb.old, logp))        # (b, C)
-    advantages = mb.advantages[:, None].float().expand_as(logp)                      # (b, C)
+    advantages = (mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
+                  ).float().expand_as(logp)                                          # (b, C)
     clipped = ((advantages > 0) & (ratio > 1 + args.eps_high)) | (
         (advantages < 0) & (ratio < 1 - args.eps_low))
     return {"entropy": entropy[active].float().cpu(), "logp": logp[active].cpu(),

@@ -208,7 +208,7 @@ def test_presets_use_known_keys_and_values():
     assert required <= set(PRESETS)
     for name, preset in PRESETS.items():
         assert set(preset) <= PRESET_KEYS, (name, set(preset) - PRESET_KEYS)
-        assert preset.get("adv_estimator", "grpo") in dapo.ADVANTAGE_KINDS
+        assert preset.get("adv_estimator", "grpo") in dapo.ADVANTAGE_ESTIMATORS
         assert preset.get("loss_agg", "token-mean") in AGGREGATIONS
         assert preset.get("kl", "none") in ("none", "k1", "k2", "k3", "gkl")
         assert preset.get("algo", "pg") in ("pg", "dpo")
@@ -258,3 +258,15 @@ def test_variant_presets_switch_their_flag_on_top_of_dapo():
                 _diff(PRESETS["dapo"], PRESETS[name])} == {k: v for k, v in PRESETS["dapo"].items()
                                                           if k not in _diff(PRESETS["dapo"], PRESETS[name])}
     assert PRESETS["dapo-gkl"]["kl"] == "gkl" and PRESETS["dpo"]["algo"] == "dpo"
+
+
+def test_reinforce_pp_returns_and_normalisation_vectors():
+    # KL 0.1, -0.2, 0.3: sums to the end 0.2, 0.1, 0.3; beta 0.5 -> 1 - 0.1, 1 - 0.05, 1 - 0.15
+    returns = dapo.kl_penalised_returns(1.0, [0.1, -0.2, 0.3], 0.5)
+    assert returns.tolist() == pytest.approx([0.9, 0.95, 0.85], abs=1e-12)
+    # 1, 2, 3: mean 2, unbiased std 1
+    assert dapo.whiten([1.0, 2.0, 3.0], center=True, eps=0.0).tolist() == [-1.0, 0.0, 1.0]
+    assert dapo.whiten([1.0, 2.0, 3.0], eps=0.0).tolist() == [1.0, 2.0, 3.0]  # no centring
+    parts = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]  # two ranks' moments add up
+    total = dapo.moments(parts[0]) + dapo.moments(parts[1])
+    assert dapo.whiten(parts[1], total, center=True, eps=0.0).tolist() == [1.0]

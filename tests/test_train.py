@@ -402,7 +402,9 @@ UPDATE_METRICS = ("entropy", "clip_frac_low", "clip_frac_high", "approx_kl", "ra
     # tokens chosen over both ranks' mini-batch, as over one process's
     ["--high-entropy-fraction", "0.3", "--objective", "kl-cov", "--cov-fraction", "0.1",
      "--mini-batches", "2"],
-], ids=["dapo", "gkl", "reinforce_baseline", "chosen-tokens"])
+    # REINFORCE++'s token advantages normalised over both ranks' tokens
+    ["--adv-estimator", "reinforce_pp", "--reward-kl-coef", "0.5"],
+], ids=["dapo", "gkl", "reinforce_baseline", "chosen-tokens", "reinforce_pp"])
 def test_ddp_two_ranks_equal_one_process(tiny, tmp_path, variant):
     """The same global batch in one process and on two gloo ranks: the same weights after the
     updates and the same metrics (summed over ranks, not rank 0's share)."""
@@ -700,6 +702,55 @@ def test_rollout_correction_flags_are_checked():
                          "--clip-cov-high")]:
         with pytest.raises(SystemExit):
             config.parse_config(["--model", "x"] + argv)
+
+
+def test_reinforce_pp_advantages_hold_the_kl_to_the_reference(tiny, tmp_path):
+    """--adv-estimator reinforce_pp: each token's return is the reward minus beta times the k1 KL
+    (pi_old against the reference) from that token to the end, normalised over every token of
+    the batch; checked against log-probs made here from the two models' plain logits."""
+    import dapo
+    import train
+    run = in_process_run(tmp_path, tiny, "--adv-estimator", "reinforce_pp", "--reward-kl-coef", "0.5")
+    torch.manual_seed(0)
+    with torch.no_grad():  # a reference away from the policy, so the KL is not 0
+        for weight in run.reference.parameters():
+            weight.add_(0.3 * torch.randn_like(weight))
+    batch = rollouts()  # one update a step: step 4 scores pi_old for REINFORCE++ all the same
+    batch = train.with_advantages(run, train.with_old_logprobs(run, batch))
+
+    def logprobs(model, i):
+        ids = torch.tensor([batch.prompts[i] + batch.tokens[i]])
+        with torch.no_grad():
+            logits = model(ids).float()                                   # (1, P+C, V)
+        start = len(batch.prompts[i])
+        predicted = torch.log_softmax(logits[0, start - 1:-1], -1)        # (C, V)
+        return predicted.gather(-1, torch.tensor(batch.tokens[i])[:, None])[:, 0].double()
+
+    returns = [dapo.kl_penalised_returns(batch.rewards[i], logprobs(run.policy, i)
+                                        - logprobs(run.reference, i), 0.5) for i in range(4)]
+    expected = dapo.whiten(torch.cat(returns), center=True)
+    got = torch.tensor([a for row in batch.advantages for a in row], dtype=torch.float64)
+    assert [len(row) for row in batch.advantages] == [2, 1, 3, 1]
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert abs(got.mean().item()) < 1e-9                                   # normalised
+    assert got[0] != got[1]  # the KL of the first row's last token differs its two tokens
+    sums, _ = train.update(run, batch)  # one advantage per token reaches the loss
+    assert sums["updates"] == 1 and sums["skipped_updates"] == 0
+
+
+def test_reinforce_pp_preset_runs(tiny, tmp_path):
+    """Two steps of the reinforce_pp preset: a frozen reference made, pi_old scored at one update
+    a step, the samples' advantages logged as their tokens' mean."""
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    run_train(["--preset", "reinforce_pp", "--model", model_dir, "--data", data_file, "--steps", "2",
+               "--out", str(out)] + flags(mini_batches="1", reward_kl_coef="0.5"))
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["adv_estimator"], saved["reward_kl_coef"], saved["kl"]) == ("reinforce_pp", 0.5, "none")
+    rows = metrics(out)
+    assert all(r["skipped_updates"] == 0 for r in rows) and rows[-1]["grad_norm"] > 0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert all(isinstance(s["advantage"], float) for s in samples)
 
 
 def test_reward_flags_reach_the_reward(tiny, tmp_path):
