@@ -22,8 +22,8 @@ One training step (`train_step`), numbered as the code below:
   1. Sample G completions of each prompt and reward them (eq. 7, change 4's punishment); a task
      in turns (episodes.py) samples G episodes, rewarded by their outcome, a row per turn.
   2. Filter and refill the groups (change 2).
-  3. Advantages within each group (eq. 9).
-  4. Old log-probs: the trainer scores the batch before its first update (pi_old of eq. 10).
+  3. Old log-probs: the trainer scores the batch before its first update (pi_old of eq. 10).
+  4. Advantages within each group (eq. 9), or per token (REINFORCE++, which reads pi_old).
   5. Updates on mini-batches of 1/mu of a full batch in prompts (mu of them when the batch is
      full, fewer when dynamic sampling fell short, none when it kept nothing), accumulated over micro-batches
      with the token counts of the whole mini-batch over all ranks as divisors (changes 1, 3 and
@@ -81,8 +81,8 @@ class Rollouts:
     correct: list           # the episode's answer is right (what eq. 11 filters on)
     reward_parts: list      # every reward term by name, for the log
     stale: list             # sampled by the previous step's policy (--keep-surplus)
-    advantages: list = None     # step 3
-    old_logprobs: list = None   # step 4; None entries: on-policy (the update's own, detached)
+    advantages: list = None     # step 4
+    old_logprobs: list = None   # step 3; None entries: on-policy (the update's own, detached)
     turn: list = None       # its turn in its episode (episodes.py); None: every episode one turn
     routing: list = None        # --routing-replay: the sampler's experts, (prompt + tokens, L, k)
 
@@ -164,8 +164,8 @@ def train_step(run, progress):
     with torch.no_grad():
         collected = collect_rollouts(run, progress)                      # 1-2
     sampled_at = time.perf_counter()
-    batch = with_old_logprobs(run, collected.kept)                       # 4 (3 may read it)
-    batch = with_advantages(run, batch)                                  # 3
+    batch = with_old_logprobs(run, collected.kept)                       # 3
+    batch = with_advantages(run, batch)                                  # 4
     scored_at = time.perf_counter()
     run.policy.train()
     update_sums, update_maxima = update(run, batch, progress.step)       # 5
@@ -284,10 +284,10 @@ def collect_rollouts(run, progress):
     return Collected(kept.select(range(min(want, kept.num_groups))), sampled, surplus, asked)
 
 
-# ---- 3-4: advantages, old log-probs -------------------------------------------------------------
+# ---- 3-4: old log-probs, advantages -------------------------------------------------------------
 
 def with_advantages(run, batch):
-    """Step 3: group-relative advantages (eq. 9, or the --adv-estimator)."""
+    """Step 4: group-relative advantages (eq. 9, or the --adv-estimator)."""
     if run.args.adv_estimator == "reinforce_pp":  # one per token, the KL to the reference inside
         return replace(batch, advantages=reinforce_pp_advantages(run, batch))
     # One advantage per episode (the group: a prompt's G episodes), given to each of its turns.
@@ -304,7 +304,7 @@ def with_advantages(run, batch):
 
 def reinforce_pp_advantages(run, batch):
     """REINFORCE++ (arXiv 2501.03262): each row's returns with a k1 KL to the reference in the
-    reward at every token (`dapo.kl_penalised_returns`; pi_old from step 4), then normalised over
+    reward at every token (`dapo.kl_penalised_returns`; pi_old from step 3), then normalised over
     every token of the batch on all ranks. A turn of an episode is a row: its returns hold its
     own tokens' KL. -> per row, a list of token advantages"""
     rows = list(range(len(batch.tokens)))
@@ -320,7 +320,7 @@ def reinforce_pp_advantages(run, batch):
 
 @torch.no_grad()
 def with_old_logprobs(run, batch):
-    """Step 4: pi_old of eq. 10, the trainer's log-probs before this step's first update. With
+    """Step 3: pi_old of eq. 10, the trainer's log-probs before this step's first update. With
     one update this step they equal the update's own (detached), so nothing is computed here
     (REINFORCE++ needs them for its advantages all the same). Groups carried from the last step
     keep their sampler's log-probs: that policy sampled them."""
@@ -659,7 +659,7 @@ def step_metrics(run, progress, collected, update_sums, update_maxima, seconds):
     # DPO reads its pairs only, not every kept sample, and scores no old log-probs.
     trained = total.get("pair_tokens", 0.0) if args.algo == "dpo" else total["update_tokens"]
     row["tokens_per_second_update"] = trained / ranks / max(seconds["update"], 1e-9)
-    several = (total.get("updates", 0.0) + total.get("empty_updates", 0.0)) / ranks > 1  # step 4 ran
+    several = (total.get("updates", 0.0) + total.get("empty_updates", 0.0)) / ranks > 1  # step 3 scored
     row["tokens_per_second_scoring"] = (total["update_tokens"] / ranks / max(seconds["scoring"], 1e-9)
                                         if several and args.algo != "dpo" else None)
     return row

@@ -715,7 +715,7 @@ def test_reinforce_pp_advantages_hold_the_kl_to_the_reference(tiny, tmp_path):
     with torch.no_grad():  # a reference away from the policy, so the KL is not 0
         for weight in run.reference.parameters():
             weight.add_(0.3 * torch.randn_like(weight))
-    batch = rollouts()  # one update a step: step 4 scores pi_old for REINFORCE++ all the same
+    batch = rollouts()  # one update a step: step 3 scores pi_old for REINFORCE++ all the same
     batch = train.with_advantages(run, train.with_old_logprobs(run, batch))
 
     def logprobs(model, i):
@@ -1181,7 +1181,7 @@ def test_two_steps_on_each_family(tiny, tmp_path, family):
 
 def test_two_steps_of_an_moe_with_lora_router_loss_and_replay(tiny, tmp_path):
     """train.py end to end on Qwen3-MoE: LoRA on attention and experts, the router loss logged,
-    and with routing replay (two updates a step, so step 4 recomputes) the trainer's log-probs
+    and with routing replay (two updates a step, so step 3 recomputes) the trainer's log-probs
     equal the sampler's."""
     model_dir = family_checkpoint(tmp_path / "model", "qwen3_moe")
     out = tmp_path / "run"
