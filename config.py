@@ -259,8 +259,26 @@ def parse_config(argv=None):
             parser.error(f"--ppl-penalty {args.ppl_penalty} turns the overlong penalty "
                          f"{'on' if beside else 'off'}; leave --overlong-penalty out")
         args.overlong_penalty = beside
+    refuse_inert_flags(args, explicit, parser)
     check_config(args, parser)
     return args, explicit
+
+
+def refuse_inert_flags(args, explicit, parser):
+    """A flag given explicitly that the rest of the configuration would ignore is refused by name."""
+    acts = {"cov_fraction": ("--objective clip-cov or kl-cov", args.objective in losses.CHOOSING),
+            "clip_cov_low": ("--objective clip-cov", args.objective == "clip-cov"),
+            "clip_cov_high": ("--objective clip-cov", args.objective == "clip-cov"),
+            "kl_cov_coef": ("--objective kl-cov", args.objective == "kl-cov"),
+            "sapo_tau_pos": ("--objective sapo", args.objective == "sapo"),
+            "sapo_tau_neg": ("--objective sapo", args.objective == "sapo"),
+            "reward_kl_coef": ("--adv-estimator reinforce_pp", args.adv_estimator == "reinforce_pp"),
+            # the clip range: the clipped objectives' (KL-Cov and SAPO have none)
+            "eps_low": ("a clipped --objective", args.objective not in ("kl-cov", "sapo")),
+            "eps_high": ("a clipped --objective", args.objective not in ("kl-cov", "sapo"))}
+    for key, (needs, active) in acts.items():
+        if key in explicit and not active:
+            parser.error(f"--{key.replace('_', '-')} acts only with {needs}")
 
 
 # What the checkpoint's weights are of: a resumed run cannot change them.
@@ -337,6 +355,11 @@ def check_config(args, parser):
         tracking.parse_report_to(args.report_to)
     except ValueError as error:
         parser.error(f"--report-to {error}")
+    refuse_combinations(args, parser)
+
+
+def refuse_combinations(args, parser):
+    """The combinations of values that would silently do nothing, or something else than asked."""
     refills = args.dynamic_sampling and args.max_refills > 0
     for key in ("adversarial", "keep_surplus"):  # both act in refill rounds only
         if getattr(args, key) and not refills:
@@ -346,6 +369,12 @@ def check_config(args, parser):
         parser.error(f"--top-p {args.top_p:g} samples from a truncated distribution, while the "
                      "sampler's log-probs, which --tis-cap and --keep-surplus read as the behaviour "
                      "policy's, are of the whole one: use --top-p 1 with them")
+    if args.algo == "dpo" and (args.tis_cap or args.high_entropy_fraction < 1):
+        parser.error("--tis-cap and --high-entropy-fraction weight policy-gradient tokens; "
+                     "--algo dpo has none")
+    if args.high_entropy_fraction < 1 and args.objective in ("gspo", "gmpo"):
+        parser.error(f"--high-entropy-fraction chooses tokens; --objective {args.objective} gives "
+                     "each token of a sequence the gradient of the whole sequence's ratio")
     if not args.tis_cap and (args.tis_level, args.tis_mode, args.tis_floor) != ("token", "truncate", 0):
         parser.error("--tis-level, --tis-mode and --tis-floor shape the rollout correction: they "
                      "need --tis-cap C > 0")
@@ -374,7 +403,8 @@ def check_config(args, parser):
 
 def needs_reference(args):
     """Whether the run compares the policy with a reference policy."""
-    return args.kl != "none" or args.algo == "dpo" or args.adv_estimator == "reinforce_pp"
+    return args.kl != "none" or args.algo == "dpo" or (
+        args.adv_estimator == "reinforce_pp" and args.reward_kl_coef > 0)
 
 
 def range_rules(args):

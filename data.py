@@ -789,7 +789,8 @@ class PromptStream:
         return step * self.batch_size + self.rank * self.per_rank + index
 
     def global_batch(self, step):
-        """All ranks' records for `step` (a pure function of seed, step and the task's level)."""
+        """All ranks' records for `step` (a pure function of seed, step and the task's level at the
+        call: a slice read in two calls around a level change holds both levels)."""
         if hasattr(self.source, "sample"):  # a task (arithmetic, episodes.MemoryTask)
             return self.source.sample(self.batch_size, random.Random(f"{self.seed}:{step}"))
         records = []
@@ -806,14 +807,22 @@ class PromptStream:
         return self._order
 
     def state_dict(self):
-        state = {"taken": self.taken}
+        state = {"taken": self.taken, "per_rank": self.per_rank}
         if isinstance(self.source, ArithmeticTask):
             state["level"] = self.source.level
         return state
 
     def load_state_dict(self, state):
-        # Checkpoints before `take` counted whole batches ("step").
-        self.taken = int(state["taken"]) if "taken" in state else int(state["step"]) * self.per_rank
+        # Checkpoints before `take` counted whole batches ("step"). Resumed on another number of
+        # ranks (another slice size), a rank goes on at the first batch its old slice had not
+        # finished.
+        if "taken" not in state:
+            self.taken = int(state["step"]) * self.per_rank
+        elif int(state["per_rank"]) == self.per_rank:
+            self.taken = int(state["taken"])
+        else:
+            step, index = divmod(int(state["taken"]), int(state["per_rank"]))
+            self.taken = (step + (index > 0)) * self.per_rank
         if "level" in state:
             self.source.load_state_dict({"level": state["level"]})
 

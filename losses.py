@@ -455,7 +455,11 @@ def high_entropy_tokens(entropy: torch.Tensor, top_fraction: float) -> torch.Ten
         raise ValueError(f"the high-entropy fraction must be in (0, 1], got {top_fraction}")
     if entropy.numel() == 0:
         return torch.zeros_like(entropy, dtype=torch.bool)
-    threshold = torch.quantile(entropy.double(), 1.0 - top_fraction)  # linear interpolation, as TRL
+    # The quantile with linear interpolation, as TRL's torch.quantile (which refuses > 2^24 values).
+    ordered = torch.sort(entropy.double()).values                                 # (N,)
+    position = (1.0 - top_fraction) * (ordered.numel() - 1)
+    below, above = ordered[math.floor(position)], ordered[math.ceil(position)]
+    threshold = below + (position - math.floor(position)) * (above - below)
     return entropy.double() >= threshold
 
 

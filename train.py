@@ -307,14 +307,18 @@ def reinforce_pp_advantages(run, batch):
     reward at every token (`dapo.kl_penalised_returns`; pi_old from step 3), then normalised over
     every token of the batch on all ranks. A turn of an episode is a row: its returns hold its
     own tokens' KL. -> per row, a list of token advantages"""
-    rows = list(range(len(batch.tokens)))
-    reference_logprobs = scored_logprobs(run, batch, rows, under_reference=True)
-    returns = [dapo.kl_penalised_returns(batch.rewards[i], torch.tensor(batch.old_logprobs[i],
-                                         dtype=torch.float64) - torch.tensor(reference_logprobs[i],
-                                         dtype=torch.float64), run.args.reward_kl_coef)
-               for i in rows]                                                  # (T_i,) each
+    args, rows = run.args, list(range(len(batch.tokens)))
+    kl = [torch.zeros(len(t), dtype=torch.float64) for t in batch.tokens]     # (T_i,) each
+    if args.reward_kl_coef > 0:
+        reference_logprobs = scored_logprobs(run, batch, rows, under_reference=True)
+        kl = [torch.tensor(batch.old_logprobs[i], dtype=torch.float64)
+              - torch.tensor(reference_logprobs[i], dtype=torch.float64) for i in rows]
+    returns = [dapo.kl_penalised_returns(batch.rewards[i], kl[i], args.reward_kl_coef) for i in rows]
+    # The mean and std over the tokens that reach the loss (change 4's filter drops some rows).
+    counted = [r for i, r in enumerate(returns) if not (args.overlong_filter and batch.truncated[i])]
+    counted_moments = dapo.moments(torch.cat(counted) if counted else torch.zeros(0))
     flat = torch.cat(returns) if returns else torch.zeros(0, dtype=torch.float64)  # (sum T_i,)
-    normalised = dapo.whiten(flat, all_reduce(dapo.moments(flat)), center=True)
+    normalised = dapo.whiten(flat, all_reduce(counted_moments), center=True)
     return [part.tolist() for part in normalised.split([len(r) for r in returns])]
 
 
@@ -326,17 +330,24 @@ def with_old_logprobs(run, batch):
     keep their sampler's log-probs: that policy sampled them."""
     args = run.args
     old = [list(lp) if stale else None for lp, stale in zip(batch.sampler_logprobs, batch.stale)]
-    if args.algo == "pg" and (update_count(run, batch) > 1 or args.adv_estimator == "reinforce_pp"):
+    if args.algo == "pg" and (update_count(run, batch) > 1 or reads_old_logprobs(args)):
         fresh = [i for i, stale in enumerate(batch.stale) if not stale]
         for i, logp in zip(fresh, scored_logprobs(run, batch, fresh)):
             old[i] = logp
     return replace(batch, old_logprobs=old)
 
 
+def reads_old_logprobs(args):
+    """Whether step 4 reads pi_old (REINFORCE++'s KL in the reward): then step 3 scores it even
+    at one update a step."""
+    return args.adv_estimator == "reinforce_pp" and args.reward_kl_coef > 0
+
+
 @torch.no_grad()
 def scored_logprobs(run, batch, rows, under_reference=False):
     """The token log-probs of `rows` of `batch` under the policy (or the reference), a micro-batch
-    at a time. -> per row, a list"""
+    at a time; the policy replays the sampler's experts (--routing-replay), the reference routes
+    on its own as in reference.kl_term. -> per row, a list"""
     args, size, out = run.args, run.args.micro_batch_size, []
     # As many forwards on every rank (stand-ins where a rank has fewer rows): under FSDP each
     # forward gathers weights with the other ranks.
@@ -344,7 +355,8 @@ def scored_logprobs(run, batch, rows, under_reference=False):
         part = rows[k * size:(k + 1) * size]
         ids, attn, _, start = data.pack([batch.prompts[i] for i in part] or [[0]],
                                         [batch.tokens[i] for i in part] or [[0]], args.device)
-        replay = replay_experts(run, batch, part, ids.shape[1] - start) if part else None
+        replay = replay_experts(run, batch, part, ids.shape[1] - start) \
+            if part and not under_reference else None
         score = functools.partial(completion_logprobs, ids=ids, attn=attn, start=start,
                                   replay=replay, temperature=args.temperature)
         with launch.autocast(run):
@@ -659,7 +671,8 @@ def step_metrics(run, progress, collected, update_sums, update_maxima, seconds):
     # DPO reads its pairs only, not every kept sample, and scores no old log-probs.
     trained = total.get("pair_tokens", 0.0) if args.algo == "dpo" else total["update_tokens"]
     row["tokens_per_second_update"] = trained / ranks / max(seconds["update"], 1e-9)
-    several = (total.get("updates", 0.0) + total.get("empty_updates", 0.0)) / ranks > 1  # step 3 scored
+    several = (total.get("updates", 0.0) + total.get("empty_updates", 0.0)) / ranks > 1 \
+        or reads_old_logprobs(args)  # step 3 scored
     row["tokens_per_second_scoring"] = (total["update_tokens"] / ranks / max(seconds["scoring"], 1e-9)
                                         if several and args.algo != "dpo" else None)
     return row

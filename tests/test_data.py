@@ -340,6 +340,23 @@ def test_stream_takes_any_count_in_order_and_resumes(source):
     assert [r["id"] for r in next(old)] == expected[6:9]
 
 
+def test_stream_resumes_on_another_number_of_ranks():
+    """A rank's position is kept in its slice's size: resumed with another slice (another world
+    size), it goes on at the first global batch its old slice had not finished."""
+    source = [{"prompt": f"p{i}", "answer": str(i), "id": str(i)} for i in range(40)]
+    two = PromptStream(source, batch_size=4, seed=3, rank=0, world_size=2)
+    two.take(3)  # batch 0 whole, batch 1 begun
+    one = PromptStream(source, batch_size=4, seed=3)
+    one.load_state_dict(json.loads(json.dumps(two.state_dict())))
+    assert next(one) == one.global_batch(2)
+    two.take(1)  # batch 1 done: goes on at batch 2
+    one.load_state_dict(two.state_dict())
+    assert next(one) == one.global_batch(2)
+    four = PromptStream(source, batch_size=4, seed=3, rank=3, world_size=4)
+    four.load_state_dict(one.state_dict())  # 3 batches read
+    assert next(four) == four.global_batch(3)[3:]
+
+
 @pytest.mark.parametrize("make_source", [ArithmeticTask, lambda: load_records(
     "arithmetic", split="test", limit=30)])
 def test_stream_resume_continues_identically(make_source):

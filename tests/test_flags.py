@@ -74,9 +74,17 @@ def train_cases():
     return [(flag, value) for flag in flags for value in VALUES] + TRAIN_EXTRA
 
 
+# The flags that act only beside another: given with it.
+TRAIN_CONTEXT = {"--cov-fraction": ["--objective", "kl-cov"], "--kl-cov-coef": ["--objective", "kl-cov"],
+                 "--clip-cov-low": ["--objective", "clip-cov"], "--clip-cov-high": ["--objective", "clip-cov"],
+                 "--sapo-tau-pos": ["--objective", "sapo"], "--sapo-tau-neg": ["--objective", "sapo"],
+                 "--reward-kl-coef": ["--adv-estimator", "reinforce_pp"]}
+
+
 @pytest.mark.parametrize("flag, value", train_cases())
 def test_train_numeric_flags(flag, value, capsys):
-    argv = ["--model", "x", "--prompts-per-step", "2", "--samples", "8", flag, value]
+    argv = ["--model", "x", "--prompts-per-step", "2", "--samples", "8", flag, value] + \
+        TRAIN_CONTEXT.get(flag, [])
     if (flag, value) in TRAIN_MEANINGFUL:
         args, _ = config.parse_config(argv)
         assert getattr(args, flag[2:].replace("-", "_")) == float(value)

@@ -691,17 +691,21 @@ def test_each_rollout_correction_acts_in_a_run(tiny, tmp_path, preset):
     assert 0 < max(r["tis_cut_frac"] for r in rows) and min(r["tis_cut_frac"] for r in rows) < 1
 
 
-def test_rollout_correction_flags_are_checked():
+def test_rollout_correction_and_choice_flags_are_checked(capsys):
     import config
     assert config.parse_config(["--preset", "icepop", "--model", "x"])[0].tis_floor == 0.5
     for argv, named in [(["--tis-level", "sequence"], "--tis-cap"),
                         (["--tis-cap", "2", "--tis-floor", "0.5"], "--tis-mode mask"),
                         (["--tis-cap", "2", "--tis-mode", "mask", "--tis-floor", "1.5"], "--tis-floor"),
                         (["--high-entropy-fraction", "0"], "--high-entropy-fraction"),
+                        (["--cov-fraction", "0.01"], "--cov-fraction"),          # no Cov objective
+                        (["--reward-kl-coef", "0.1"], "--reward-kl-coef"),       # no REINFORCE++
+                        (["--objective", "kl-cov", "--clip-cov-low", "0"], "--clip-cov-low"),
                         (["--objective", "clip-cov", "--clip-cov-low", "5", "--clip-cov-high", "1"],
                          "--clip-cov-high")]:
         with pytest.raises(SystemExit):
             config.parse_config(["--model", "x"] + argv)
+        assert named in capsys.readouterr().err, argv
 
 
 def test_reinforce_pp_advantages_hold_the_kl_to_the_reference(tiny, tmp_path):
