@@ -416,7 +416,8 @@ def update(run, batch, step=0):
         if int(divisors[0]["num_tokens"]) == 0:  # no loss token on any rank: nothing to learn
             sums = add(sums, {"empty_updates": 1})
             continue
-        chosen = chosen_tokens(run, micro, f"{args.seed}:{step}:{index}")
+        chosen = chosen_tokens(run, micro, f"{args.seed}:{step}:{index}") \
+            if args.high_entropy_fraction < 1 or args.objective in losses.CHOOSING else [{}] * len(micro)
         run.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for k, (mb, divisor, choice) in enumerate(zip(micro, divisors, chosen)):
@@ -498,8 +499,6 @@ def chosen_tokens(run, micro, seed):
     args = run.args
     names = ["high_entropy"] * (args.high_entropy_fraction < 1) + \
         ["covariance"] * (args.objective in losses.CHOOSING)
-    if not names:
-        return [{} for _ in micro]
     mine = [token_figures(run, mb) for mb in micro]
     ranks = gather({key: torch.cat([f[key] for f in mine]) for key in mine[0]}, run.world)
     every = {key: torch.cat([r[key] for r in ranks]) for key in ranks[0]}  # (N,) each
