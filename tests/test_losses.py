@@ -343,6 +343,11 @@ def _micro_loss(mb, weight, ref_weight, loss_kind, agg, **divisors):
     settings = OBJECTIVE_SETTINGS.get(loss_kind, {"eps_low": 0.2, "eps_high": 0.28, "clip_c": 3.0})
     if loss_kind in losses.CHOOSING:
         settings = {**settings, "chosen": mb["chosen"]}
+    if loss_kind in ROLLOUT_CORRECTIONS:  # a sampler a little off pi_old, per token
+        sampler = old_logp - 0.5 * mb["old_noise"]
+        settings = {**settings, "token_weights": losses.rollout_weights(
+            old_logp, sampler, mb["mask"], **ROLLOUT_CORRECTIONS[loss_kind])[0]}
+        loss_kind = "policy"
     objective = losses.OBJECTIVES["clip" if loss_kind == "policy" else loss_kind]
     return objective(logp, old_logp, mb["adv"], mb["mask"], agg=agg, **settings, **divisors)[0]
 
@@ -354,7 +359,11 @@ OBJECTIVE_SETTINGS = {"gspo": {"eps_low": 0.05, "eps_high": 0.08},
                       "sapo": {"tau_pos": 1.0, "tau_neg": 1.05},
                       "clip-cov": {"eps_low": 0.2, "eps_high": 0.28},
                       "kl-cov": {"kl_coef": 0.5}}
-LOSS_KINDS = ["policy", "gkl", "gspo", "cispo", "gmpo", "sapo", "clip-cov", "kl-cov"]
+# The rollout corrections' weights on the clipped ratio, at bounds the toy ratios cross.
+ROLLOUT_CORRECTIONS = {"seq-tis": dict(cap=1.1, level="sequence"),
+                       "icepop": dict(cap=1.15, floor=0.9, mode="mask"),
+                       "seq-mis": dict(cap=1.1, level="sequence", mode="mask")}
+LOSS_KINDS = ["policy", "gkl", "gspo", "cispo", "gmpo", "sapo", "clip-cov", "kl-cov"] + list(ROLLOUT_CORRECTIONS)
 
 
 def _loss_and_grad(split, loss_kind, agg, use_global_divisors=True, max_tokens=None):
