@@ -326,6 +326,17 @@ def _sequence_advantages(advantages, logp, name):
     return advantages.to(logp.dtype)[:, None].expand_as(logp)           # (B, T)
 
 
+def _token_ratios(logp, old_logp, advantages, mask):
+    """-> the loss tokens (B, T) bool, advantages (B, T) (one per sequence spread over its tokens,
+    or one per token), log r_t (0 at padding, so it reaches neither loss nor gradient) and r_t."""
+    active = mask != 0
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    advantages = advantages.to(logp.dtype).expand_as(logp)              # (B, T)
+    log_ratio = torch.where(active, logp - old_logp, torch.zeros_like(logp))  # (B, T)
+    return active, advantages, log_ratio, torch.exp(log_ratio)
+
+
 def gspo_loss(logp, old_logp, advantages, mask, *, eps_low=3e-4, eps_high=4e-4,
               agg="seq-mean-token-mean", token_weights=None, **divisors):
     """GSPO (arXiv 2507.18071): the importance ratio and its clip at the sequence level,
@@ -422,12 +433,7 @@ def sapo_loss(logp, old_logp, advantages, mask, *, tau_pos=1.0, tau_neg=1.05,
     fades smoothly as r leaves 1, faster for negative advantages. -> (loss, stats; no clipping:
     its clip fractions are 0)
     """
-    active = mask != 0
-    if advantages.dim() == 1:
-        advantages = advantages[:, None]
-    advantages = advantages.to(logp.dtype).expand_as(logp)              # (B, T)
-    log_ratio = torch.where(active, logp - old_logp, torch.zeros_like(logp))
-    ratio = torch.exp(log_ratio)                                         # (B, T)
+    active, advantages, log_ratio, ratio = _token_ratios(logp, old_logp, advantages, mask)
     tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)              # (B, T) f(r)
     per_token_loss = -gate * advantages
@@ -513,12 +519,7 @@ def kl_cov_loss(logp, old_logp, advantages, mask, *, chosen=None, kl_coef=1.0, a
 
     kl_coef 1: the paper's recipe. chosen: (B, T) bool from `kl_cov_tokens`. -> (loss, stats;
     nothing is clipped: its clip fractions are 0)"""
-    active = mask != 0
-    if advantages.dim() == 1:
-        advantages = advantages[:, None]
-    advantages = advantages.to(logp.dtype).expand_as(logp)              # (B, T)
-    log_ratio = torch.where(active, logp - old_logp, torch.zeros_like(logp))
-    ratio = torch.exp(log_ratio)                                         # (B, T)
+    active, advantages, log_ratio, ratio = _token_ratios(logp, old_logp, advantages, mask)
     per_token_loss = -ratio * advantages
     if chosen is not None:
         per_token_loss = per_token_loss + kl_coef * chosen.to(logp.dtype) * log_ratio.abs()
