@@ -670,10 +670,9 @@ def step_metrics(run, progress, collected, update_sums, update_maxima, seconds):
     # DPO reads its pairs only, not every kept sample, and scores no old log-probs.
     trained = total.get("pair_tokens", 0.0) if args.algo == "dpo" else total["update_tokens"]
     row["tokens_per_second_update"] = trained / ranks / max(seconds["update"], 1e-9)
-    several = (total.get("updates", 0.0) + total.get("empty_updates", 0.0)) / ranks > 1 \
-        or reads_old_logprobs(args)  # step 3 scored
+    scored = (total.get("updates", 0.0) + total.get("empty_updates", 0.0)) / ranks > 1 or reads_old_logprobs(args)
     row["tokens_per_second_scoring"] = (total["update_tokens"] / ranks / max(seconds["scoring"], 1e-9)
-                                        if several and args.algo != "dpo" else None)
+                                        if scored and args.algo != "dpo" else None)  # step 3 ran
     return row
 
 
