@@ -372,7 +372,7 @@ def refuse_combinations(args, parser):
     if args.algo == "dpo" and (args.tis_cap or args.high_entropy_fraction < 1):
         parser.error("--tis-cap and --high-entropy-fraction weight policy-gradient tokens; "
                      "--algo dpo has none")
-    if args.high_entropy_fraction < 1 and args.objective in ("gspo", "gmpo"):
+    if args.high_entropy_fraction < 1 and args.objective in losses.SEQUENCE_LEVEL:
         parser.error(f"--high-entropy-fraction chooses tokens; --objective {args.objective} gives "
                      "each token of a sequence the gradient of the whole sequence's ratio")
     if not args.tis_cap and (args.tis_level, args.tis_mode, args.tis_floor) != ("token", "truncate", 0):
@@ -387,7 +387,7 @@ def refuse_combinations(args, parser):
     if args.algo == "dpo" and str(args.data).startswith("memory"):
         parser.error("--algo dpo pairs single completions; the memory task's episodes have "
                      "several turns: use a policy-gradient preset (dapo-memory)")
-    if args.adv_estimator == "reinforce_pp" and (args.objective in ("gspo", "gmpo") or args.algo == "dpo"):
+    if args.adv_estimator == "reinforce_pp" and (args.objective in losses.SEQUENCE_LEVEL or args.algo == "dpo"):
         parser.error(f"--adv-estimator reinforce_pp gives each token its own advantage; "
                      f"{'--algo dpo' if args.algo == 'dpo' else '--objective ' + args.objective} "
                      "takes one per sequence")

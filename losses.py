@@ -533,6 +533,7 @@ def kl_cov_loss(logp, old_logp, advantages, mask, *, chosen=None, kl_coef=1.0, a
 OBJECTIVES = {"clip": policy_loss, "gspo": gspo_loss, "cispo": cispo_loss, "gmpo": gmpo_loss,
               "sapo": sapo_loss, "clip-cov": clip_cov_loss, "kl-cov": kl_cov_loss}
 CHOOSING = ("clip-cov", "kl-cov")  # the objectives that take `chosen` tokens
+SEQUENCE_LEVEL = ("gspo", "gmpo")  # one ratio per sequence: one advantage per sequence, no token choice
 
 
 # ---------------------------------------------------------------------------------------------

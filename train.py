@@ -365,13 +365,15 @@ def scored_logprobs(run, batch, rows, under_reference=False):
     return out
 
 
-def completion_logprobs(model, ids, attn, start, replay, temperature):
-    """(b, C) fp32 log-probs of the completions in `ids` under `model`, on the CPU; an MoE replays
-    the sampler's experts (--routing-replay) or routes afresh."""
+def completion_logprobs(model, ids, attn, start, replay, temperature, with_entropy=False):
+    """(b, C) fp32 log-probs of the completions in `ids` under `model`, on the CPU (and their
+    entropies, with_entropy); an MoE replays the sampler's experts (--routing-replay) or routes
+    afresh."""
     routing = Routing(replay) if model.config.num_experts else None
     hidden = model(ids, attn, return_hidden=True, routing=routing)
-    return token_logprobs(model, ids, attn, start=start, hidden=hidden,
-                          temperature=temperature).float().cpu()
+    out = token_logprobs(model, ids, attn, start=start, hidden=hidden, temperature=temperature,
+                         with_entropy=with_entropy)
+    return tuple(x.float().cpu() for x in out) if with_entropy else out.float().cpu()
 
 
 # ---- 5: the updates -----------------------------------------------------------------------------
@@ -417,7 +419,7 @@ def update(run, batch, step=0):
             sums = add(sums, {"empty_updates": 1})
             continue
         chosen = chosen_tokens(run, micro, f"{args.seed}:{step}:{index}") \
-            if args.high_entropy_fraction < 1 or args.objective in losses.CHOOSING else [{}] * len(micro)
+            if token_choices(args) else [{}] * len(micro)
         run.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for k, (mb, divisor, choice) in enumerate(zip(micro, divisors, chosen)):
@@ -496,9 +498,7 @@ def chosen_tokens(run, micro, seed):
     gradient (the weights the update's forwards see), gathered in one order over ranks (a rank's
     after those of the ranks before it), the choice (Clip-Cov's draw seeded by `seed`, the same on
     every rank), and each micro-batch's part. -> per micro-batch {name: (b, C) bool}"""
-    args = run.args
-    names = ["high_entropy"] * (args.high_entropy_fraction < 1) + \
-        ["covariance"] * (args.objective in losses.CHOOSING)
+    args, names = run.args, token_choices(run.args)
     mine = [token_figures(run, mb) for mb in micro]
     ranks = gather({key: torch.cat([f[key] for f in mine]) for key in mine[0]}, run.world)
     every = {key: torch.cat([r[key] for r in ranks]) for key in ranks[0]}  # (N,) each
@@ -522,24 +522,31 @@ def chosen_tokens(run, micro, seed):
     return out
 
 
+CHOICE_METRICS = {"high_entropy": "high_entropy_frac", "covariance": "cov_chosen_frac"}  # the log's names
+
+
+def token_choices(args):
+    """The choices of tokens this run makes over each mini-batch: "high_entropy" (the 80/20 rule),
+    "covariance" (Clip-Cov, KL-Cov); none by default."""
+    return ["high_entropy"] * (args.high_entropy_fraction < 1) + \
+        ["covariance"] * (args.objective in losses.CHOOSING)
+
+
 @torch.no_grad()
 def token_figures(run, mb):
     """One micro-batch's loss tokens under the current weights, flat (n,) on the CPU: entropy,
     log-prob, advantage, and whether the clip already cuts it (Clip-Cov leaves those out)."""
-    args, active = run.args, mb.mask != 0
-    routing = Routing(mb.replay) if run.policy.config.num_experts else None
+    args, active = run.args, (mb.mask != 0).cpu()
     with launch.autocast(run):
-        hidden = run.policy(mb.ids, mb.attn, return_hidden=True, routing=routing)
-        logp, entropy = token_logprobs(run.policy, mb.ids, mb.attn, start=mb.start, hidden=hidden,
-                                       temperature=args.temperature, with_entropy=True)  # (b, C)
-    logp = logp.float()
-    ratio = torch.exp(logp - torch.where(mb.has_old[:, None], mb.old, logp))        # (b, C)
+        logp, entropy = completion_logprobs(run.policy, mb.ids, mb.attn, mb.start, mb.replay,
+                                            args.temperature, with_entropy=True)  # (b, C) each
+    ratio = torch.exp(logp - torch.where(mb.has_old[:, None].cpu(), mb.old.cpu(), logp))  # (b, C)
     advantages = (mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
-                  ).float().expand_as(logp)                                          # (b, C)
+                  ).float().cpu().expand_as(logp)                                    # (b, C)
     clipped = ((advantages > 0) & (ratio > 1 + args.eps_high)) | (
         (advantages < 0) & (ratio < 1 - args.eps_low))
-    return {"entropy": entropy[active].float().cpu(), "logp": logp[active].cpu(),
-            "advantage": advantages[active].cpu(), "clipped": clipped[active].cpu()}
+    return {"entropy": entropy[active], "logp": logp[active], "advantage": advantages[active],
+            "clipped": clipped[active]}
 
 
 def token_weights(run, mb, old, chosen):
@@ -610,8 +617,7 @@ def update_means(args):
     """The policy-gradient metrics logged as means per loss token."""
     return ["clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "ratio_mean",
             "entropy"] + ["kl"] * (args.kl != "none") + ["tis_weight", "tis_cut_frac"] * bool(args.tis_cap) \
-        + ["high_entropy_frac"] * (args.high_entropy_fraction < 1) \
-        + ["cov_chosen_frac"] * (args.objective in losses.CHOOSING)
+        + [CHOICE_METRICS[name] for name in token_choices(args)]
 
 
 def step_metrics(run, progress, collected, update_sums, update_maxima, seconds):
