@@ -10,6 +10,8 @@ CPU_DEFAULTS) < explicit flags. On --resume: the run's config.json < explicit fl
 
 import argparse
 import math
+import os
+import shutil
 import sys
 
 import dapo
@@ -129,8 +131,10 @@ def sampling_flags(g):
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     g.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                   help="the sampler's decode step through torch.compile (auto: on CUDA, where it "
-                        "wins; on a CPU its compile time outweighs its gain in a short run)")
+                   help="torch.compile the update's blocks and the sampler's decode step (auto: "
+                        "the blocks, on a CPU where a C++ compiler is found; the decode step on "
+                        "CUDA: on a CPU its compile time outweighs its gain in a short run; off: "
+                        "all eager, the readable reference)")
     g.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,
                    help="DAPO eq. 11: drop groups whose answers are all right or all wrong, refill")
     g.add_argument("--max-refills", type=int, default=10, help="extra rollout rounds per step")
@@ -442,6 +446,20 @@ def compile_choice(args):
     """--compile as rollout.generate's `compile`: None (auto, its own choice), True or False.
     Runs configured before the flag existed mean auto."""
     return {"auto": None, "on": True, "off": False}[getattr(args, "compile", "auto")]
+
+
+def compiles_update(args, model) -> bool:
+    """--compile for the update's forward and backward (model.compile_blocks): on unless off, as
+    it wins on both devices (README, Measured), where it can run (a CPU needs a C++ compiler); a
+    Mixture-of-Experts model stays eager."""
+    if getattr(args, "compile", "auto") == "off" or model.config.num_experts:
+        return False
+    return args.device.type == "cuda" or cpp_compiler_found()
+
+
+def cpp_compiler_found() -> bool:
+    """torch.compile writes C++ for a CPU: a compiler ($CXX, g++ or clang++) must be found."""
+    return any(shutil.which(name) for name in (os.environ.get("CXX"), "g++", "clang++", "c++") if name)
 
 
 def objective_settings(args):

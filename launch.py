@@ -37,6 +37,7 @@ import runs
 import sharding
 import tracking
 from checkpoints import cpu_has_bf16, load_model, save_model
+from model import compile_blocks
 from distributed import gather, setup_distributed
 from lora import add_lora
 from rollout import line_break_ids, stop_token_ids
@@ -158,6 +159,8 @@ def setup(args):
         run_lock = claim_run_directory(args)
     bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and (device.type == "cuda" or cpu_has_bf16()))
     model, sampler, reference = policy_copies(args, policy, bf16)
+    if config.compiles_update(args, policy):
+        compile_blocks(policy)  # after sharding, as FSDP2 asks; the sampler copy stays eager
     trainable = [p for p in policy.parameters() if p.requires_grad]
     return Run(
         args=args, rank=rank, world=world, policy=policy, tokenizer=tokenizer, model=model,
@@ -183,6 +186,9 @@ def refuse_mismatches(args, policy):
     if (args.routing_replay or args.router_aux_coef) and args.algo == "dpo":
         sys.exit("train.py: --routing-replay and --router-aux-coef act on the policy-gradient "
                  "update (--algo pg), not on DPO")
+    if args.compile == "on" and args.device.type == "cpu" and not config.cpp_compiler_found():
+        sys.exit("train.py: --compile on: torch.compile writes C++ for a CPU and no compiler was "
+                 "found ($CXX, g++ or clang++); install one or leave --compile at auto")
     if args.fsdp and not dist.is_initialized():
         sys.exit("train.py: --fsdp shards the model over torchrun's ranks: launch with torchrun "
                  "(`torchrun --nproc_per_node N train.py --fsdp ...`, N = 1 works too)")

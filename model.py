@@ -313,6 +313,7 @@ class Transformer(nn.Module):
         if cfg.local_rope_theta is not None:  # Gemma 3's sliding layers rotate at their own base
             self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=True), persistent=False)
         self.gradient_checkpointing = False  # recompute each block in backward (GPU memory)
+        self.compiled_layers = None  # compile_blocks: the blocks through torch.compile
 
     def _apply(self, fn, *args, **kwargs):
         # .to(torch.bfloat16) and the like must not round the rotary frequencies (a bf16 angle is
@@ -384,7 +385,9 @@ class Transformer(nn.Module):
 
         x = self.embed(input_ids)  # (B, T, C)
         rotary = self.rotary(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
+        # The compiled blocks serve the training and scoring forwards; a cache's writes stay eager.
+        layers = self.compiled_layers if self.compiled_layers and cache is None else self.layers
+        for i, layer in enumerate(layers):
             kind = self.config.layer_types[i]
             args = (x, *rotary[kind], masks[kind])
             if self.gradient_checkpointing and torch.is_grad_enabled() and cache is None:
@@ -578,13 +581,15 @@ def token_logprobs(model: Transformer, input_ids, attention_mask=None, *, start=
 # ----------------------------------------------------------------------------- compiling
 
 def compile_blocks(model: Transformer) -> Transformer:
-    """torch.compile each block in place, the usual way to compile a training forward: one small
-    graph that every block reuses (compile time of one block), under activation checkpointing
-    and sharding alike; shapes dynamic, so new sequence lengths do not recompile. Only for a
-    model that never decodes: a compiled block would retrace the sampler's cache writes (train.py
-    samples from the policy itself on the fp32 path, so it leaves its blocks eager for now)."""
-    for block in model.layers:
-        block.compile(dynamic=True)
+    """torch.compile each block, the usual way to compile a training forward: one small graph
+    that every block reuses (compile time of one block), under activation checkpointing and
+    sharding alike; shapes dynamic, so new sequence lengths do not recompile. Forwards without a
+    KV cache (training, scoring) take the compiled blocks; prefill and decode keep the eager ones,
+    whose cache writes would make a graph per layer (rollout.py compiles its own decode step).
+    The compiled blocks wrap the same modules: no weight is copied."""
+    if model.config.num_experts:  # the experts' grouping reads counts back to the host
+        raise ValueError("compile_blocks: a Mixture-of-Experts model stays eager")
+    model.compiled_layers = [torch.compile(block, dynamic=True) for block in model.layers]
     return model
 
 

@@ -231,7 +231,7 @@ MEMORY_RUN = ["--data", "memory:pages=2,min=0,max=4,filler=0", "--eval-limit", "
               "--samples", "4", "--max-new-tokens", "3", "--lr", "1e-3", "--warmup-steps", "1",
               "--micro-batch-size", "3", "--dtype", "float32", "--overlong-cache", "1",
               "--time-limit", "0", "--seed", "13", "--mini-batches", "2", "--dynamic-sampling",
-              "--max-refills", "0"]
+              "--max-refills", "0", "--compile", "off"]
 
 
 @pytest.mark.slow

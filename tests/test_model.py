@@ -452,6 +452,41 @@ def test_token_logprobs_gradient_and_checkpointing(tiny_ckpt, family):
     _assert_same_grads(_grads(ours, direct), want)
 
 
+@pytest.mark.slow  # compiles one tiny block's forward and backward: ~10-30 s
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: soft cap, four norms a block
+def test_compiled_blocks_equal_eager_and_sampling_stays_eager(tiny_ckpt, family):
+    """model.compile_blocks: the same log-probs and gradients as the eager blocks (with and
+    without activation checkpointing); a forward with a KV cache (prefill, decode) takes the eager
+    blocks, so sampling makes no new graph and gives the eager model's tokens."""
+    from rollout import generate
+    eager, _ = load_model(tiny_ckpt(family))
+    compiled, _ = load_model(tiny_ckpt(family))
+    M.compile_blocks(compiled.train())
+    eager.train()
+    ids, mask = _padded_batch(eager.config.vocab_size, seed=41)
+
+    def loss(model):
+        return lambda: token_logprobs(model, ids, mask, temperature=0.7).sum()
+
+    _assert_same_grads(_grads(compiled, loss(compiled)), _grads(eager, loss(eager)))
+    compiled.gradient_checkpointing = True
+    _assert_same_grads(_grads(compiled, loss(compiled)), _grads(eager, loss(eager)))
+    with torch.no_grad():  # the scoring forward: a graph of its own, made here
+        assert max_diff(token_logprobs(compiled, ids, mask), token_logprobs(eager, ids, mask)) < TOL
+    prompts = [[5, 6, 7], [8, 9]]
+    kw = dict(num_samples=2, max_new_tokens=6, temperature=1.0, seed=3, compile=False)
+    with torch.compiler.set_stance("fail_on_recompile"):  # a cached forward through a compiled
+        got = generate(compiled.eval(), prompts, **kw)    # block would need a new graph
+    want = generate(eager.eval(), prompts, **kw)
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+
+
+def test_compile_blocks_refuses_a_mixture_of_experts(tiny_ckpt):
+    moe_model, _ = load_model(tiny_ckpt("qwen3_moe"))
+    with pytest.raises(ValueError, match="Mixture-of-Experts"):
+        M.compile_blocks(moe_model)
+
+
 # ---------------------------------------------------------------------------------------------
 # LoRA
 # ---------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ def test_runs_two_at_a_time_each_with_its_log(tmp_path):
     data = learnable_data(tmp_path / "data.jsonl")
     tiny = (f"--model {model} --data {data} --eval-data {data} --eval-limit 4 --steps 1 "
             "--prompts-per-step 4 --samples 4 --max-new-tokens 4 --micro-batch-size 8 "
-            "--template none --dtype float32 --eval-samples 2")
+            "--template none --dtype float32 --eval-samples 2 --compile off")
     proc = recipe("grpo-vs-dpo.sh", tmp_path, ARMS="grpo dpo", SEEDS="0 1", JOBS="2",
                   EXTRA=tiny, LAUNCH=f"{sys.executable} {ROOT / 'train.py'}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -86,7 +86,7 @@ def test_a_recipe_runs_end_to_end_at_a_tiny_size(name, size, tmp_path):
     data = learnable_data(tmp_path / "data.jsonl")
     tiny = (f"--model {model} --data {data} --eval-data {data} --eval-limit 4 --steps 1 "
             "--prompts-per-step 4 --samples 4 --max-new-tokens 4 --micro-batch-size 8 "
-            "--template none --dtype float32 --eval-samples 2")
+            "--template none --dtype float32 --eval-samples 2 --compile off")
     proc = recipe(name, tmp_path, SIZE=size, SEEDS="0", EXTRA=tiny,
                   LAUNCH=f"{sys.executable} {ROOT / 'train.py'}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -1,7 +1,8 @@
 """train.py --fsdp (FSDP2) on the CPU with gloo: two ranks equal one process and DDP (also with
-LoRA, activation checkpointing and a Mixture-of-Experts model with routing replay), SIGKILL then
---resume equals never stopping, final/ loads in transformers, two "nodes" through torchrun's
-c10d rendezvous equal one process, and the combinations that cannot work are refused by name."""
+LoRA, activation checkpointing, compiled blocks and a Mixture-of-Experts model with routing
+replay), SIGKILL then --resume equals never stopping, final/ loads in transformers, two "nodes"
+through torchrun's c10d rendezvous equal one process, and the combinations that cannot work are
+refused by name."""
 
 import os
 import signal
@@ -46,8 +47,8 @@ def assert_equal_runs(a, b, atol=1e-6):
 
 
 @pytest.mark.parametrize("variant", [[], ["--lora-rank", "4", "--lr", "1e-2"],
-                                     ["--activation-checkpointing"]],
-                         ids=["full", "lora", "activation-checkpointing"])
+                                     ["--activation-checkpointing"], ["--compile", "auto"]],
+                         ids=["full", "lora", "activation-checkpointing", "compiled-blocks"])
 def test_fsdp_two_ranks_equal_one_process(digits, tmp_path, variant):
     common = common_flags(*digits, *variant)
     run_train(common + ["--out", str(tmp_path / "one")])

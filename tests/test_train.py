@@ -68,7 +68,8 @@ def tiny(tmp_path_factory):
 BASE = ["--prompts-per-step", "4", "--samples", "4", "--max-new-tokens", "3", "--lr", "1e-3",
         "--warmup-steps", "1", "--temperature", "1.0", "--micro-batch-size", "3",
         "--dtype", "float32",  # tests that want the bf16 path say so; "auto" differs by CPU
-        "--overlong-cache", "1", "--time-limit", "0"]
+        "--overlong-cache", "1", "--time-limit", "0",
+        "--compile", "off"]  # compiled blocks cost a compile per run: their own tests say them
 
 
 def flags(**changes):
@@ -364,6 +365,31 @@ def assert_close_runs(a_dir, b_dir, atol, keys=None, rel=1e-3, metric_atol=None)
             close = isinstance(value, float) and value == pytest.approx(
                 row_b[key], rel=rel, abs=atol if metric_atol is None else metric_atol)
             assert close or value == row_b[key], (key, value, row_b[key])
+
+
+@pytest.mark.slow  # two runs, one compiling the tiny model's blocks: ~30 s
+def test_compiled_update_equals_eager(tiny, tmp_path):
+    """--compile auto (the update's blocks through torch.compile, sampling eager on a CPU) makes
+    the run --compile off makes, within float tolerance (fp32: fused kernels sum in other orders)."""
+    model_dir, data_file = tiny
+    common = ["--model", model_dir, "--data", data_file, "--steps", "2", "--mini-batches", "2",
+              "--seed", "5"] + BASE[:-2]
+    run_train(common + ["--compile", "off", "--out", str(tmp_path / "eager")])
+    run_train(common + ["--compile", "auto", "--out", str(tmp_path / "compiled")])
+    assert_close_runs(tmp_path / "eager", tmp_path / "compiled", atol=1e-5, keys=UPDATE_METRICS,
+                      rel=1e-4, metric_atol=1e-6)
+
+
+def test_compiling_needs_a_cpp_compiler_on_a_cpu(tiny, tmp_path, monkeypatch, capsys):
+    """No C++ compiler on the PATH: auto leaves the blocks eager, --compile on is refused by name
+    before any work (torch.compile would fail at the first update)."""
+    import config
+    monkeypatch.setattr(config.shutil, "which", lambda name: None)
+    assert in_process_run(tmp_path / "a", tiny, "--compile", "auto").policy.compiled_layers is None
+    with pytest.raises(SystemExit, match="--compile on: .* no compiler"):
+        in_process_run(tmp_path / "b", tiny, "--compile", "on")
+    monkeypatch.undo()
+    assert in_process_run(tmp_path / "c", tiny, "--compile", "auto").policy.compiled_layers
 
 
 def torchrun(nproc=2):
