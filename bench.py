@@ -19,11 +19,10 @@ import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
 
 from checkpoints import (_read_safetensors, converted_dir, cpu_has_bf16, empty_model, load_model,
                          load_state_dict_strict, read_config)
-from model import Transformer, compile_blocks, token_logprobs
+from model import Transformer, compile_blocks, sampling_products, token_logprobs
 from rollout import generate
 
 
@@ -35,17 +34,18 @@ def sync(device):
 
 
 def matmul_bound_seconds(model: Transformer, rows: int, repeats=5) -> float:
-    """Time of the matrix products alone in one decode step at `rows` rows (measured here)."""
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=model.dtype, device=model.device)
-          for w in weights}
+    """Time of the matrix products alone in one decode step at `rows` rows, on the kernels the
+    sampler uses (model.sampling_products), measured here."""
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {layer.in_features: torch.randn(rows, layer.in_features, dtype=model.dtype,
+                                         device=model.device) for layer in layers}
     times = []
-    with torch.no_grad():
+    with torch.no_grad(), sampling_products():
         for _ in range(repeats):
             sync(model.device)
             t = time.perf_counter()
-            for w in weights:
-                F.linear(xs[w.shape[1]], w)
+            for layer in layers:
+                layer(xs[layer.in_features])
             sync(model.device)
             times.append(time.perf_counter() - t)
     return min(times)

@@ -452,6 +452,53 @@ def test_token_logprobs_gradient_and_checkpointing(tiny_ckpt, family):
     _assert_same_grads(_grads(ours, direct), want)
 
 
+@pytest.fixture
+def onednn(monkeypatch):
+    """onednn(True/False): model.onednn_is_faster forced (DAPO_CPU_ONEDNN), undone afterwards."""
+    def force(on):
+        monkeypatch.setenv("DAPO_CPU_ONEDNN", "1" if on else "0")
+        M.onednn_is_faster.cache_clear()
+    yield force
+    monkeypatch.undo()
+    M.onednn_is_faster.cache_clear()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biased q, k, v projections
+def test_sampling_products_run_on_onednn_with_f_linear_results(loaded, onednn, family):
+    """Inside model.sampling_products, where oneDNN is faster, every fp32 product of the model
+    runs on oneDNN (none through aten::linear: MKL) with F.linear's results to fp32 rounding;
+    outside it, and where oneDNN is not faster, F.linear as before."""
+    ours = loaded(family)[0]
+    ids = random_ids(3, 9, ours.config.vocab_size, seed=5)
+
+    def profiled_logits():
+        with torch.no_grad(), M.sampling_products(), torch.profiler.profile() as profile:
+            logits = ours(ids)
+        return logits, {event.key for event in profile.key_averages()}
+
+    with torch.no_grad():
+        want = ours(ids)
+    onednn(True)
+    got, ops = profiled_logits()
+    assert "mkldnn::_linear_pointwise" in ops and "aten::linear" not in ops
+    assert max_diff(got, want) < TOL
+    assert not M._ONEDNN_FP32  # the context put it back
+    onednn(False)
+    got, ops = profiled_logits()
+    assert "mkldnn::_linear_pointwise" not in ops and torch.equal(got, want)
+
+
+def test_sampler_on_onednn_gives_the_same_greedy_tokens(loaded, onednn):
+    from rollout import generate
+    ours = loaded("llama")[0]
+    kw = dict(num_samples=1, max_new_tokens=8, temperature=0.0, seed=0, compile=False)
+    onednn(False)
+    want = generate(ours, [[5, 6, 7], [8, 9]], **kw)
+    onednn(True)
+    got = generate(ours, [[5, 6, 7], [8, 9]], **kw)
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+
+
 @pytest.mark.slow  # compiles one tiny block's forward and backward: ~10-30 s
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: soft cap, four norms a block
 def test_compiled_blocks_equal_eager_and_sampling_stays_eager(tiny_ckpt, family):
