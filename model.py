@@ -87,10 +87,12 @@ class Linear(nn.Linear):
     """nn.Linear, whose float32 products on a CPU go through oneDNN inside `sampling_products`.
     F.linear's fp32 product is MKL's, which runs AVX2 kernels on AMD processors; oneDNN uses their
     AVX-512: a decode step's products 2-3x faster on an AMD EPYC (`python bench.py sampler`).
-    Gradients stay with F.linear (oneDNN's op has no backward)."""
+    Gradients stay with F.linear (oneDNN's op has no backward), and so does a compiled graph
+    (Inductor takes oneDNN's op only for frozen weights)."""
 
     def forward(self, x):
-        if _ONEDNN_FP32 and x.dtype == torch.float32 and x.device.type == "cpu":
+        if _ONEDNN_FP32 and x.dtype == torch.float32 and x.device.type == "cpu" \
+                and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
