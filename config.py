@@ -132,9 +132,10 @@ def sampling_flags(g):
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     g.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the update's blocks and the sampler's decode step (auto: "
-                        "the blocks, on a CPU where a C++ compiler is found; the decode step on "
-                        "CUDA: on a CPU its compile time outweighs its gain in a short run; off: "
-                        "all eager, the readable reference)")
+                        "the blocks on CUDA, and on a CPU where a C++ compiler is found; the decode "
+                        "step on CUDA only: on a CPU its compile time outweighs its gain in a short "
+                        "run; off: all eager, the readable reference; a Mixture-of-Experts model "
+                        "stays eager)")
     g.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,
                    help="DAPO eq. 11: drop groups whose answers are all right or all wrong, refill")
     g.add_argument("--max-refills", type=int, default=10, help="extra rollout rounds per step")
@@ -457,9 +458,13 @@ def compiles_update(args, model) -> bool:
     return args.device.type == "cuda" or cpp_compiler_found()
 
 
+def cpp_compiler() -> str:
+    """The C++ compiler torch.compile calls for a CPU: $CXX, else clang++ on macOS, g++ elsewhere."""
+    return os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+
+
 def cpp_compiler_found() -> bool:
-    """torch.compile writes C++ for a CPU: a compiler ($CXX, g++ or clang++) must be found."""
-    return any(shutil.which(name) for name in (os.environ.get("CXX"), "g++", "clang++", "c++") if name)
+    return shutil.which(cpp_compiler()) is not None
 
 
 def objective_settings(args):

@@ -187,8 +187,9 @@ def refuse_mismatches(args, policy):
         sys.exit("train.py: --routing-replay and --router-aux-coef act on the policy-gradient "
                  "update (--algo pg), not on DPO")
     if args.compile == "on" and args.device.type == "cpu" and not config.cpp_compiler_found():
-        sys.exit("train.py: --compile on: torch.compile writes C++ for a CPU and no compiler was "
-                 "found ($CXX, g++ or clang++); install one or leave --compile at auto")
+        sys.exit(f"train.py: --compile on: torch.compile writes C++ for a CPU and its compiler, "
+                 f"{config.cpp_compiler()}, was not found ($CXX names another); install it or "
+                 "leave --compile at auto")
     if args.fsdp and not dist.is_initialized():
         sys.exit("train.py: --fsdp shards the model over torchrun's ranks: launch with torchrun "
                  "(`torchrun --nproc_per_node N train.py --fsdp ...`, N = 1 works too)")
@@ -262,7 +263,8 @@ def describe(run):
     return "\n".join([
         f"model     {args.model or 'bundled SmolLM2-135M-Instruct'}: {params:.0f}M parameters, "
         f"{precision}" + (f", LoRA rank {args.lora_rank}" if args.lora_rank else "")
-        + (f", base in {args.quantize.upper()}" if args.quantize != "none" else ""),
+        + (f", base in {args.quantize.upper()}" if args.quantize != "none" else "")
+        + (", update's blocks compiled" if run.policy.compiled_layers else ""),
         f"data      {args.data} (template {args.template}), held-out: "
         f"{len(run.heldout) if run.heldout else 'none'}",
         f"method    preset {args.preset}{cpu}: {method}, dynamic sampling "

@@ -83,6 +83,9 @@ class ModelConfig:
 
 # ----------------------------------------------------------------------------- building blocks
 
+_ONEDNN_FP32 = False  # set by sampling_products (one flag for the process, not per thread)
+
+
 class Linear(nn.Linear):
     """nn.Linear, whose float32 products on a CPU go through oneDNN inside `sampling_products`.
     F.linear's fp32 product is MKL's, which runs AVX2 kernels on AMD processors; oneDNN uses their
@@ -92,17 +95,15 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         if _ONEDNN_FP32 and x.dtype == torch.float32 and x.device.type == "cpu" \
-                and not torch.compiler.is_compiling():
+                and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
-_ONEDNN_FP32 = False  # set by sampling_products
-
-
 @functools.cache
 def onednn_is_faster() -> bool:
-    """An AMD CPU with AVX-512 (MKL leaves its AVX-512 unused). DAPO_CPU_ONEDNN=1 or 0 forces it."""
+    """An AMD CPU with AVX-512 (MKL leaves its AVX-512 unused). DAPO_CPU_ONEDNN=1 or 0 forces it
+    (read once per process)."""
     forced = os.environ.get("DAPO_CPU_ONEDNN")
     if forced in ("0", "1"):
         return forced == "1"
@@ -631,7 +632,7 @@ def compile_blocks(model: Transformer) -> Transformer:
     sharding alike; shapes dynamic, so new sequence lengths do not recompile. Forwards without a
     KV cache (training, scoring) take the compiled blocks; prefill and decode keep the eager ones,
     whose cache writes would make a graph per layer (rollout.py compiles its own decode step).
-    The compiled blocks wrap the same modules: no weight is copied."""
+    Sets model.compiled_layers: they wrap the same modules, no weight is copied."""
     if model.config.num_experts:  # the experts' grouping reads counts back to the host
         raise ValueError("compile_blocks: a Mixture-of-Experts model stays eager")
     model.compiled_layers = [torch.compile(block, dynamic=True) for block in model.layers]

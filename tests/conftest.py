@@ -143,6 +143,11 @@ def hf_model(directory, **kwargs):
                                                 **kwargs).eval()
 
 
+# torch.compile on a CPU writes C++: the tests of compiled blocks skip where it cannot.
+needs_cpp_compiler = pytest.mark.skipif(not __import__("config").cpp_compiler_found(),
+                                        reason="torch.compile on a CPU needs a C++ compiler")
+
+
 def random_ids(batch, length, vocab, seed=0):
     """Token ids that avoid the special ids (so no row contains pad or eos by accident)."""
     g = torch.Generator().manual_seed(seed)

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import EOS_ID, FAMILIES, PAD_ID, WINDOW, hf_model, random_ids, tiny_checkpoint
+from conftest import (EOS_ID, FAMILIES, PAD_ID, WINDOW, hf_model, needs_cpp_compiler, random_ids,
+                      tiny_checkpoint)
 import checkpoints
 import model as M
 import moe
@@ -489,17 +490,21 @@ def test_sampling_products_run_on_onednn_with_f_linear_results(loaded, onednn, f
 
 
 def test_sampler_on_onednn_gives_the_same_greedy_tokens(loaded, onednn):
+    """rollout.generate takes oneDNN's products where they are faster, with F.linear's tokens."""
     from rollout import generate
     ours = loaded("llama")[0]
     kw = dict(num_samples=1, max_new_tokens=8, temperature=0.0, seed=0, compile=False)
     onednn(False)
     want = generate(ours, [[5, 6, 7], [8, 9]], **kw)
     onednn(True)
-    got = generate(ours, [[5, 6, 7], [8, 9]], **kw)
+    with torch.profiler.profile() as profile:
+        got = generate(ours, [[5, 6, 7], [8, 9]], **kw)
+    assert "mkldnn::_linear_pointwise" in {event.key for event in profile.key_averages()}
     assert [c.tokens for c in got] == [c.tokens for c in want]
 
 
 @pytest.mark.slow  # compiles one tiny block's forward and backward: ~10-30 s
+@needs_cpp_compiler
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: soft cap, four norms a block
 def test_compiled_blocks_equal_eager_and_sampling_stays_eager(tiny_ckpt, family):
     """model.compile_blocks: the same log-probs and gradients as the eager blocks (with and
@@ -515,7 +520,10 @@ def test_compiled_blocks_equal_eager_and_sampling_stays_eager(tiny_ckpt, family)
     def loss(model):
         return lambda: token_logprobs(model, ids, mask, temperature=0.7).sum()
 
-    _assert_same_grads(_grads(compiled, loss(compiled)), _grads(eager, loss(eager)))
+    with torch.profiler.profile() as profile:
+        compiled_grads = _grads(compiled, loss(compiled))
+    assert any(e.key.startswith("Torch-Compiled Region") for e in profile.key_averages())
+    _assert_same_grads(compiled_grads, _grads(eager, loss(eager)))
     compiled.gradient_checkpointing = True
     _assert_same_grads(_grads(compiled, loss(compiled)), _grads(eager, loss(eager)))
     with torch.no_grad():  # the scoring forward: a graph of its own, made here

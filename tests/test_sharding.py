@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from conftest import needs_cpp_compiler
 from test_train import (ROOT, assert_close_runs, assert_same_run, digit_checkpoint, digit_data,
                         flags, kill_then_resume, metrics, run_train, torchrun)
 
@@ -46,13 +47,15 @@ def assert_equal_runs(a, b, atol=1e-6):
     assert_close_runs(a, b, atol, keys=UPDATE_METRICS, rel=1e-4, metric_atol=1e-6)
 
 
-@pytest.mark.parametrize("variant", [[], ["--lora-rank", "4", "--lr", "1e-2"],
-                                     ["--activation-checkpointing"], ["--compile", "auto"]],
-                         ids=["full", "lora", "activation-checkpointing", "compiled-blocks"])
+@pytest.mark.parametrize("variant", [
+    pytest.param([], id="full"), pytest.param(["--lora-rank", "4", "--lr", "1e-2"], id="lora"),
+    pytest.param(["--activation-checkpointing"], id="activation-checkpointing"),
+    pytest.param(["--compile", "auto"], id="compiled-blocks", marks=needs_cpp_compiler)])
 def test_fsdp_two_ranks_equal_one_process(digits, tmp_path, variant):
     common = common_flags(*digits, *variant)
     run_train(common + ["--out", str(tmp_path / "one")])
-    run_train(common + ["--fsdp", "--out", str(tmp_path / "fsdp")], launcher=torchrun())
+    fsdp = run_train(common + ["--fsdp", "--out", str(tmp_path / "fsdp")], launcher=torchrun())
+    assert ("blocks compiled" in fsdp.stdout) == ("auto" in variant)
     assert_equal_runs(tmp_path / "one", tmp_path / "fsdp")
     kept = [row["groups_kept_per_rank"] for row in metrics(tmp_path / "fsdp")]
     assert any(a != b for a, b in kept), kept  # uneven ranks: stand-ins, global mini-batches
