@@ -19,7 +19,7 @@ import tempfile
 import torch
 
 from lora import LoRALinear
-from model import ModelConfig, Transformer
+from model import ModelConfig, Transformer, cpu_feature
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2",
                    "gemma3_text", "gemma3")
@@ -511,12 +511,5 @@ def cpu_has_bf16() -> bool:
 
     DAPO_CPU_BF16=1 (or 0) in the environment overrides the detection, to run the other kind of
     CPU's path here (tests, benches: bf16 still runs on any CPU, only slower)."""
-    forced = os.environ.get("DAPO_CPU_BF16")
-    if forced in ("0", "1"):
-        return forced == "1"
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in info or ("avx512_bf16" in info and "AuthenticAMD" in info)
+    return cpu_feature("DAPO_CPU_BF16", lambda info: "amx_bf16" in info or (
+        "avx512_bf16" in info and "AuthenticAMD" in info))

@@ -104,15 +104,21 @@ class Linear(nn.Linear):
 def onednn_is_faster() -> bool:
     """An AMD CPU with AVX-512 (MKL leaves its AVX-512 unused). DAPO_CPU_ONEDNN=1 or 0 forces it
     (read once per process)."""
-    forced = os.environ.get("DAPO_CPU_ONEDNN")
+    return torch.backends.mkldnn.is_available() and cpu_feature(
+        "DAPO_CPU_ONEDNN", lambda info: "AuthenticAMD" in info and "avx512f" in info)
+
+
+def cpu_feature(override: str, present) -> bool:
+    """present(the text of /proc/cpuinfo), unless the environment variable `override` is 1 or 0;
+    False where there is no /proc/cpuinfo (off Linux)."""
+    forced = os.environ.get(override)
     if forced in ("0", "1"):
         return forced == "1"
     try:
         with open("/proc/cpuinfo") as f:
-            info = f.read()
+            return present(f.read())
     except OSError:
         return False
-    return "AuthenticAMD" in info and "avx512f" in info and torch.backends.mkldnn.is_available()
 
 
 @contextlib.contextmanager
