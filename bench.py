@@ -121,7 +121,7 @@ def bench_sampler(args):
           f"temperature 1, no early stop, {where}")
     dtypes = args.dtypes.split(",") if args.dtypes else (
         ["float32", "bfloat16"] if cpu_has_bf16() or device.type == "cuda" else ["float32"])
-    if "bfloat16" not in dtypes:
+    if "bfloat16" not in dtypes and not args.dtypes:  # (not when asked for fp32 alone)
         print("bfloat16 skipped: this CPU has no native bf16 matrix instructions (AVX-512 BF16 or "
               "AMX), so bf16 runs slower than fp32 here; force it with --dtypes float32,bfloat16")
     for dtype in [getattr(torch, d) for d in dtypes]:
