@@ -22,7 +22,8 @@ import torch
 
 from checkpoints import (_read_safetensors, converted_dir, cpu_has_bf16, empty_model, load_model,
                          load_state_dict_strict, read_config)
-from model import Transformer, compile_blocks, sampling_products, token_logprobs
+from model import (Transformer, compile_blocks, keep_freed_memory, sampling_products,
+                   token_logprobs)
 from rollout import generate
 
 
@@ -35,8 +36,8 @@ def sync(device):
 
 def matmul_bound_seconds(model: Transformer, rows: int, repeats=5) -> float:
     """Time of the matrix products alone in one decode step at `rows` rows, measured here on the
-    fastest kernels at hand: the eager sampler's (model.sampling_products; on an AMD CPU's fp32,
-    oneDNN, where a compiled step and transformers call MKL)."""
+    fastest kernels at hand: the sampler's (model.sampling_products: on a CPU, oneDNN's with
+    packed weights, where transformers calls F.linear)."""
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     xs = {layer.in_features: torch.randn(rows, layer.in_features, dtype=model.dtype,
                                          device=model.device) for layer in layers}
@@ -357,6 +358,7 @@ def main(argv=None):
             parser.error(f"--dtypes: {name!r} is not one of float32, bfloat16, float16")
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as train.py does: a freed block is not faulted in again at every step
     try:  # a model that is not there, or only partly: one line, no traceback
         if args.what == "sampler":
             bench_sampler(args)

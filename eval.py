@@ -58,6 +58,7 @@ import data
 import episodes
 import rollout
 from evaluation import DEFAULT_ROWS, evaluate
+from model import keep_freed_memory
 
 BUNDLED_NAME = "bundled:SmolLM2-135M-Instruct"
 
@@ -254,6 +255,7 @@ def load_eval_records(parser, args):
 
 def main(argv=None):
     parser, args = parse_args(argv)
+    keep_freed_memory()
     template = args.template or data.default_template(args.data)
     max_new_tokens = args.max_new_tokens or default_max_new_tokens(args.data)
     try:

@@ -37,7 +37,7 @@ import runs
 import sharding
 import tracking
 from checkpoints import cpu_has_bf16, load_model, save_model
-from model import compile_blocks
+from model import compile_blocks, keep_freed_memory
 from distributed import gather, setup_distributed
 from lora import add_lora
 from rollout import line_break_ids, stop_token_ids
@@ -120,6 +120,7 @@ class StopRequest:
 
 def setup(args):
     """The model, its copies, the optimizer and the data of a run -> Run."""
+    keep_freed_memory()
     rank, world, device = setup_distributed()
     args.device = device
     args.out = args.resume or args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))

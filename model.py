@@ -30,6 +30,7 @@ bench.py (speed against transformers).
 """
 
 import contextlib
+import ctypes
 import functools
 import math
 import os
@@ -83,29 +84,62 @@ class ModelConfig:
 
 # ----------------------------------------------------------------------------- building blocks
 
-_ONEDNN_FP32 = False  # set by sampling_products (one flag for the process, not per thread)
+_ONEDNN_DTYPES = frozenset()  # set by sampling_products (one setting for the process)
 
 
 class Linear(nn.Linear):
-    """nn.Linear, whose float32 products on a CPU go through oneDNN inside `sampling_products`.
-    F.linear's fp32 product is MKL's, which runs AVX2 kernels on AMD processors; oneDNN uses their
-    AVX-512: a decode step's products 2-3x faster on an AMD EPYC (`python bench.py sampler`).
-    Gradients stay with F.linear (oneDNN's op has no backward), and so does a compiled graph
-    (Inductor takes oneDNN's op only for frozen weights)."""
+    """nn.Linear, whose products on a CPU, inside `sampling_products` and without gradients, go
+    through oneDNN with the weight packed once into its kernels' blocked layout. In bf16 that is
+    the library F.linear calls, minus the reordering of the weight at every call; in fp32 F.linear
+    calls MKL, which runs AVX2 kernels on AMD processors, where oneDNN uses their AVX-512. A decode
+    step's products: 1.5x faster in bf16 and 2.6x in fp32 on an AMD EPYC (README, Two kinds of
+    CPU). Gradients stay with F.linear (oneDNN's op has no backward)."""
 
     def forward(self, x):
-        if _ONEDNN_FP32 and x.dtype == torch.float32 and x.device.type == "cpu" \
-                and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if x.dtype in _ONEDNN_DTYPES and x.device.type == "cpu" and not torch.is_grad_enabled():
+            if torch.compiler.is_compiling():  # one opaque op: the packed copy stays out of graphs
+                return packed_linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, packed(self.weight), self.bias, "none",
+                                                      [], "")
         return F.linear(x, self.weight, self.bias)
 
 
+# weight -> (its version counter when packed, the packed copy). Keyed by identity and held
+# weakly: a model's packed copies go with it, and a weight written in place (an update, the
+# sampler's refresh) is packed again at its next use.
+_PACKED = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def packed(weight):
+    """weight (out, in) -> its oneDNN-packed copy (an opaque tensor), made once per version."""
+    version, copy = _PACKED.get(weight, (None, None))
+    if version != weight._version:
+        copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)  # tuned for 64 rows
+        _PACKED[weight] = (weight._version, copy)
+    return copy
+
+
+@torch.library.custom_op("dapo::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Linear's packed product for a compiled decode step (eager calls it directly: 10 us less)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed(weight), bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 @functools.cache
-def onednn_is_faster() -> bool:
-    """An AMD CPU with AVX-512 (MKL leaves its AVX-512 unused). DAPO_CPU_ONEDNN=1 or 0 forces it
-    (read once per process)."""
-    return torch.backends.mkldnn.is_available() and cpu_feature(
-        "DAPO_CPU_ONEDNN", lambda info: "AuthenticAMD" in info and "avx512f" in info)
+def onednn_dtypes() -> frozenset:
+    """The dtypes whose sampling products run on packed oneDNN weights: bf16 wherever oneDNN runs
+    it (AVX-512, AMX); fp32 on AMD CPUs with AVX-512 (MKL leaves it unused there).
+    DAPO_CPU_ONEDNN=0 turns both off, 1 forces fp32's (read once per process)."""
+    if os.environ.get("DAPO_CPU_ONEDNN") == "0" or not torch.backends.mkldnn.is_available():
+        return frozenset()
+    amd = cpu_feature("DAPO_CPU_ONEDNN", lambda info: "AuthenticAMD" in info and "avx512f" in info)
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return frozenset(dtype for dtype, on in ((torch.float32, amd), (torch.bfloat16, bf16)) if on)
 
 
 def cpu_feature(override: str, present) -> bool:
@@ -123,13 +157,28 @@ def cpu_feature(override: str, present) -> bool:
 
 @contextlib.contextmanager
 def sampling_products():
-    """Within it (rollout.generate), fp32 products on a CPU run on oneDNN where that is faster."""
-    global _ONEDNN_FP32
-    before, _ONEDNN_FP32 = _ONEDNN_FP32, onednn_is_faster()
+    """Within it (rollout.generate), a CPU's products run on packed oneDNN weights where that is
+    faster (`onednn_dtypes`)."""
+    global _ONEDNN_DTYPES
+    before, _ONEDNN_DTYPES = _ONEDNN_DTYPES, onednn_dtypes()
     try:
         yield
     finally:
-        _ONEDNN_FP32 = before
+        _ONEDNN_DTYPES = before
+
+
+def keep_freed_memory():
+    """glibc's malloc hands a freed block over 128 KB back to the system, and the next step's
+    block of that size is faulted in again page by page: a CPU decode step's logits and their
+    sampling temporaries ((64, 49k) each) cost 10-20% of the step so (README, Two kinds of CPU).
+    This process keeps blocks up to 32 MB in its heap after they are freed. An entry point's
+    call (train.py, eval.py, bench.py); nothing where the C library has no mallopt."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MB from the heap
+        libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: never shrink the heap back
+    except (OSError, AttributeError):
+        pass
 
 
 class RMSNorm(nn.Module):

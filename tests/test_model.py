@@ -3,9 +3,12 @@
 saving (sharded, round trip, LoRA merged on save, clear errors), the KV cache, chunked token
 log-probs and their gradients, LoRA."""
 
+import copy
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import (EOS_ID, FAMILIES, PAD_ID, WINDOW, hf_model, needs_cpp_compiler, random_ids,
-                      tiny_checkpoint)
+from conftest import (EOS_ID, FAMILIES, PAD_ID, ROOT, WINDOW, hf_model, needs_cpp_compiler,
+                      random_ids, tiny_checkpoint)
 import checkpoints
 import model as M
 import moe
@@ -455,20 +458,20 @@ def test_token_logprobs_gradient_and_checkpointing(tiny_ckpt, family):
 
 @pytest.fixture
 def onednn(monkeypatch):
-    """onednn(True/False): model.onednn_is_faster forced (DAPO_CPU_ONEDNN), undone afterwards."""
+    """onednn(True/False): model.onednn_dtypes forced (DAPO_CPU_ONEDNN), undone afterwards."""
     def force(on):
         monkeypatch.setenv("DAPO_CPU_ONEDNN", "1" if on else "0")
-        M.onednn_is_faster.cache_clear()
+        M.onednn_dtypes.cache_clear()
     yield force
     monkeypatch.undo()
-    M.onednn_is_faster.cache_clear()
+    M.onednn_dtypes.cache_clear()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biased q, k, v projections
 def test_sampling_products_run_on_onednn_with_f_linear_results(loaded, onednn, family):
     """Inside model.sampling_products, where oneDNN is faster, every fp32 product of the model
-    runs on oneDNN (none through aten::linear: MKL) with F.linear's results to fp32 rounding;
-    outside it, and where oneDNN is not faster, F.linear as before."""
+    runs on oneDNN's packed weights (none through aten::linear: MKL) with F.linear's results to
+    fp32 rounding; outside it, and where oneDNN is not faster, F.linear as before."""
     ours = loaded(family)[0]
     ids = random_ids(3, 9, ours.config.vocab_size, seed=5)
 
@@ -483,7 +486,7 @@ def test_sampling_products_run_on_onednn_with_f_linear_results(loaded, onednn, f
     got, ops = profiled_logits()
     assert "mkldnn::_linear_pointwise" in ops and "aten::linear" not in ops
     assert max_diff(got, want) < TOL
-    assert not M._ONEDNN_FP32  # the context put it back
+    assert not M._ONEDNN_DTYPES  # the context put it back
     onednn(False)
     got, ops = profiled_logits()
     assert "mkldnn::_linear_pointwise" not in ops and torch.equal(got, want)
@@ -501,6 +504,66 @@ def test_sampler_on_onednn_gives_the_same_greedy_tokens(loaded, onednn):
         got = generate(ours, [[5, 6, 7], [8, 9]], **kw)
     assert "mkldnn::_linear_pointwise" in {event.key for event in profile.key_averages()}
     assert [c.tokens for c in got] == [c.tokens for c in want]
+
+
+def test_packed_weights_follow_in_place_updates(loaded, onednn):
+    """A weight written in place (an optimizer step, the sampler's refresh) is packed again
+    before its next product: the sampler after an update gives F.linear's tokens, not the old
+    weights' (which a stale packed copy would give)."""
+    from rollout import generate
+    model = copy.deepcopy(loaded("llama")[0])
+    prompts, kw = [[5, 6, 7], [8, 9]], dict(max_new_tokens=8, temperature=0.0, compile=False)
+    onednn(True)
+    before = [c.tokens for c in generate(model, prompts, **kw)]  # packs every weight
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for linear in [m for m in model.modules() if isinstance(m, M.Linear)]:
+            linear.weight.add_(torch.randn(linear.weight.shape, generator=g) * 0.5)
+    after = [c.tokens for c in generate(model, prompts, **kw)]
+    onednn(False)
+    assert after == [c.tokens for c in generate(model, prompts, **kw)] and after != before
+
+
+FAULTS = """
+import resource, sys, torch
+import model
+if sys.argv[1] == "keep":
+    model.keep_freed_memory()
+for step in range(100):  # a sampling step's logits and its exp, (64, 49k) float32: 12.6 MB each
+    if step == 10:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    logits = torch.ones(64, 49152)
+    probs = logits.exp()
+    del logits, probs
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+def test_freed_blocks_are_not_faulted_in_again():
+    """model.keep_freed_memory: blocks the size of a sampling step's logits, freed and taken
+    again at every step, stay in the heap: not one page faulted in again after the first steps,
+    where glibc's defaults fault in every page of every step (~6,000 a step)."""
+    def faults(mode):
+        out = subprocess.run([sys.executable, "-c", FAULTS, mode], cwd=ROOT, check=True,
+                             capture_output=True, text=True).stdout
+        return int(out.split()[-1])
+    assert faults("keep") < 100 < 50_000 < faults("default")
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="oneDNN has no native bf16 on this CPU")
+def test_bf16_sampling_products_run_on_packed_onednn(loaded):
+    """In bf16 (a CPU with AVX-512 BF16 or AMX), the sampler's products take the packed weights
+    too, with F.linear's logits to bf16 rounding."""
+    model = copy.deepcopy(loaded("qwen2")[0]).to(torch.bfloat16)
+    ids = random_ids(3, 9, model.config.vocab_size, seed=5)
+    with torch.no_grad():
+        want = model(ids).float()
+        with M.sampling_products(), torch.profiler.profile() as profile:
+            got = model(ids).float()
+    assert "mkldnn::_linear_pointwise" in {event.key for event in profile.key_averages()}
+    assert max_diff(got, want) < 0.05 * want.abs().max()
 
 
 @pytest.mark.slow  # compiles one tiny block's forward and backward: ~10-30 s

@@ -520,12 +520,16 @@ def test_step_uniforms_are_uniform():
 
 
 @pytest.mark.slow  # compiles a tiny model's step: ~5-15 s each
-@pytest.mark.parametrize("family", ["llama3", "mistral"])
-def test_compiled_step_equals_eager(tiny, family):
+@pytest.mark.parametrize("family, onednn", [("llama3", "1"), ("mistral", "0")])
+def test_compiled_step_equals_eager(tiny, family, onednn, monkeypatch):
     """The compiled decode step gives the eager one's greedy tokens and, for one seed, its
     samples and log-probs (within float32 rounding), stop tokens and compaction included, and a
-    new batch size or prompt length is no new compile (shapes are dynamic)."""
+    new batch size or prompt length is no new compile (shapes are dynamic). With oneDNN's packed
+    products (model.Linear) the compiled step calls them too, as one opaque op."""
     import torch._dynamo
+    import model as M
+    monkeypatch.setenv("DAPO_CPU_ONEDNN", onednn)
+    M.onednn_dtypes.cache_clear()
     model = tiny(family)
     prompts = tiny_prompts(model.config.vocab_size, lengths=(7, 12, 3, 9, 5))
     torch._dynamo.reset()
@@ -538,8 +542,14 @@ def test_compiled_step_equals_eager(tiny, family):
             assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
             assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    generate(model, prompts[:2], num_samples=2, max_new_tokens=9, temperature=1.0, compile=True)
+    with torch.profiler.profile() as profile:
+        generate(model, prompts[:2], num_samples=2, max_new_tokens=9, temperature=1.0,
+                 compile=True)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
+    ops = {event.key for event in profile.key_averages()}
+    assert ("dapo::packed_linear" in ops) == (onednn == "1")
+    monkeypatch.undo()
+    M.onednn_dtypes.cache_clear()
 
 
 def test_stream_sees_each_prefix_of_the_result_at_each_check(tiny):
