@@ -34,15 +34,15 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def matmul_bound_seconds(model: Transformer, rows: int, repeats=5) -> float:
+def matmul_bound_seconds(model: Transformer, rows: int, repeats=5, sampler=True) -> float:
     """Time of the matrix products alone in one decode step at `rows` rows, measured here on the
-    fastest kernels at hand: the sampler's (model.sampling_products: on a CPU, oneDNN's with
-    packed weights, where transformers calls F.linear)."""
+    sampler's kernels (model.sampling_products: on a CPU, oneDNN's with packed weights), the
+    fastest at hand; sampler=False: on F.linear's, which transformers calls."""
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     xs = {layer.in_features: torch.randn(rows, layer.in_features, dtype=model.dtype,
                                          device=model.device) for layer in layers}
     times = []
-    with torch.no_grad(), sampling_products():
+    with torch.no_grad(), sampling_products() if sampler else contextlib.nullcontext():
         for _ in range(repeats):
             sync(model.device)
             t = time.perf_counter()
@@ -142,7 +142,9 @@ def bench_sampler(args):
         rate = {name: tokens / statistics.median(t) for name, t in times.items()}
         rows = args.prompts * args.samples
         bound = rows / matmul_bound_seconds(ours, rows)  # tok/s
-        print(f"{str(dtype).replace('torch.', '')}: matmul-only bound {bound:.0f} tok/s")
+        plain = rows / matmul_bound_seconds(ours, rows, sampler=False)
+        print(f"{str(dtype).replace('torch.', '')}: matmul-only bound {bound:.0f} tok/s "
+              f"(on F.linear's kernels: {plain:.0f})")
         for name in paths:
             ratio = rate[name] / rate["transformers eager"]
             print(f"  {name:30s} {rate[name]:7.0f} tok/s  {ratio:5.2f}x  {rate[name] / bound:4.0%} "
