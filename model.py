@@ -92,7 +92,7 @@ class Linear(nn.Linear):
     through oneDNN with the weight packed once into its kernels' blocked layout. In bf16 that is
     the library F.linear calls, minus the reordering of the weight at every call; in fp32 F.linear
     calls MKL, which runs AVX2 kernels on AMD processors, where oneDNN uses their AVX-512. A decode
-    step's products: 1.5x faster in bf16 and 2.6x in fp32 on an AMD EPYC (README, Two kinds of
+    step's products: 1.1x faster in bf16 and 2.5x in fp32 on an AMD EPYC (README, Two kinds of
     CPU). Gradients stay with F.linear (oneDNN's op has no backward)."""
 
     def forward(self, x):
