@@ -34,11 +34,13 @@ import ctypes
 import functools
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.checkpoint import checkpoint
 
 from moe import MoE, Routing
@@ -96,7 +98,8 @@ class Linear(nn.Linear):
     CPU). Gradients stay with F.linear (oneDNN's op has no backward)."""
 
     def forward(self, x):
-        if x.dtype in _ONEDNN_DTYPES and x.device.type == "cpu" and not torch.is_grad_enabled():
+        if x.dtype in _ONEDNN_DTYPES and x.dtype == self.weight.dtype and x.device.type == "cpu" \
+                and not torch.is_grad_enabled():
             if torch.compiler.is_compiling():  # one opaque op: the packed copy stays out of graphs
                 return packed_linear(x, self.weight, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, packed(self.weight), self.bias, "none",
@@ -104,19 +107,31 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-# weight -> (its version counter when packed, the packed copy). Keyed by identity and held
-# weakly: a model's packed copies go with it, and a weight written in place (an update, the
-# sampler's refresh) is packed again at its next use.
+# weight -> (what it was when packed, the packed copy). Keyed by identity and held weakly: a
+# model's packed copies go with it. A weight written in place (the sampler's refresh, a load) is
+# packed again at its next use, as is one given new storage (.to(), .data =), and every
+# parameter of an optimizer that has stepped (a fused AdamW step leaves version counters as they
+# were).
 _PACKED = torch.utils.weak.WeakIdKeyDictionary()
 
 
 def packed(weight):
-    """weight (out, in) -> its oneDNN-packed copy (an opaque tensor), made once per version."""
-    version, copy = _PACKED.get(weight, (None, None))
-    if version != weight._version:
+    """weight (out, in) -> its oneDNN-packed copy (an opaque tensor), made once per state."""
+    state = (weight._version, weight.data_ptr(), weight.dtype)
+    packed_state, copy = _PACKED.get(weight, (None, None))
+    if packed_state != state:
         copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)  # tuned for 64 rows
-        _PACKED[weight] = (weight._version, copy)
+        _PACKED[weight] = (state, copy)
     return copy
+
+
+def _forget_stepped(optimizer, args, kwargs):
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            _PACKED.pop(parameter, None)
+
+
+register_optimizer_step_post_hook(_forget_stepped)  # after any optimizer's step
 
 
 def _packed_linear(x, weight, bias):
@@ -180,11 +195,13 @@ def keep_freed_memory():
     sampling temporaries ((64, 49k) each) cost 10-20% of the step so (README, Two kinds of CPU).
     This process keeps blocks up to 32 MB in its heap after they are freed. An entry point's
     call (train.py, eval.py, bench.py); nothing where the C library has no mallopt."""
+    if not sys.platform.startswith("linux"):
+        return
     try:
         libc = ctypes.CDLL(None)
         libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MB from the heap
-        libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: never shrink the heap back
-    except (OSError, AttributeError):
+        libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: shrink the heap only past 2 GB free
+    except (OSError, AttributeError):  # a C library without mallopt (musl has one that does nothing)
         pass
 
 
@@ -386,7 +403,7 @@ class KVCache:
 
     def write(self, layer, k, v):
         """Stores k, v (B, Hkv, T, D) at slots [length, length + T) and returns the filled prefix;
-        while decoding, at `slot` (T = 1), returning the whole cache."""
+        while decoding, at `slot` (T = 1), returning the first `visible` slots."""
         if self.decoding:
             self.k[layer].index_copy_(2, self.slot, k)
             self.v[layer].index_copy_(2, self.slot, v)

@@ -211,7 +211,7 @@ def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_
 
 
 @torch.no_grad()
-@sampling_products()  # fp32 on an AMD CPU: oneDNN's products (model.Linear)
+@sampling_products()  # a CPU's products on packed oneDNN weights (model.Linear)
 def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, temperature=1.0,
              top_p=1.0, top_k=0, stop_token_ids=(), seed=0, compile=None, compact_fraction=0.25,
              check_every=None, record_routing=False, stream=None):

@@ -506,19 +506,33 @@ def test_sampler_on_onednn_gives_the_same_greedy_tokens(loaded, onednn):
     assert [c.tokens for c in got] == [c.tokens for c in want]
 
 
-def test_packed_weights_follow_in_place_updates(loaded, onednn):
-    """A weight written in place (an optimizer step, the sampler's refresh) is packed again
-    before its next product: the sampler after an update gives F.linear's tokens, not the old
-    weights' (which a stale packed copy would give)."""
+@pytest.mark.parametrize("update", ["fused AdamW", "copy_", ".to()"])
+def test_packed_weights_follow_updates(loaded, onednn, update):
+    """A weight changed after it was packed (an optimizer's step, fused ones included, which
+    leave version counters as they were; the sampler copy's refresh; new storage) is packed again
+    before its next product: the sampler gives F.linear's tokens, not the old weights' (which a
+    stale packed copy would give). An unchanged weight is packed once."""
     from rollout import generate
     model = copy.deepcopy(loaded("llama")[0])
     prompts, kw = [[5, 6, 7], [8, 9]], dict(max_new_tokens=8, temperature=0.0, compile=False)
     onednn(True)
     before = [c.tokens for c in generate(model, prompts, **kw)]  # packs every weight
+    with torch.profiler.profile() as profile:
+        generate(model, prompts, **kw)
+    assert "mkldnn::_reorder_linear_weight" not in {e.key for e in profile.key_averages()}
     g = torch.Generator().manual_seed(0)
+    new = {p: p + torch.randn(p.shape, generator=g) * 0.5 for p in model.parameters()}
+    if update == "fused AdamW":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, fused=True)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        optimizer.step()
     with torch.no_grad():
-        for linear in [m for m in model.modules() if isinstance(m, M.Linear)]:
-            linear.weight.add_(torch.randn(linear.weight.shape, generator=g) * 0.5)
+        for p in model.parameters():
+            if update == "copy_":
+                p.copy_(new[p])
+            elif update == ".to()":
+                p.data = new[p].detach().double().to(p.dtype)  # new storage, same version
     after = [c.tokens for c in generate(model, prompts, **kw)]
     onednn(False)
     assert after == [c.tokens for c in generate(model, prompts, **kw)] and after != before
@@ -555,11 +569,12 @@ def test_freed_blocks_are_not_faulted_in_again():
     assert faults("keep") < 100 < 50_000 < faults("default")
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                    reason="oneDNN has no native bf16 on this CPU")
+@pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
+                         and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                    reason="oneDNN runs no bf16 on this CPU")
 def test_bf16_sampling_products_run_on_packed_onednn(loaded, onednn):
-    """In bf16 (a CPU with AVX-512 BF16 or AMX), the sampler's products take the packed weights
-    too, with F.linear's logits to bf16 rounding."""
+    """In bf16 (where oneDNN runs it: AVX-512, AMX), the sampler's products take the packed
+    weights too, with F.linear's logits to bf16 rounding."""
     onednn(True)  # whatever DAPO_CPU_ONEDNN the suite runs under
     model = copy.deepcopy(loaded("qwen2")[0]).to(torch.bfloat16)
     ids = random_ids(3, 9, model.config.vocab_size, seed=5)

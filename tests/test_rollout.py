@@ -536,7 +536,7 @@ def test_compiled_step_equals_eager(tiny, family, onednn, monkeypatch):
     torch._dynamo.reset()
     for kw in (dict(temperature=0.0), dict(temperature=1.0, seed=3, stop_token_ids=[9, 17, 30]),
                dict(temperature=0.8, top_p=0.9, top_k=20, seed=4)):
-        kw = dict(num_samples=3, max_new_tokens=24, **kw)  # the cache read: 32, then 64 slots
+        kw = dict(num_samples=3, max_new_tokens=24, **kw)  # the cache read: 32, then 36 slots
         eager = generate(model, prompts, compile=False, **kw)
         compiled = generate(model, prompts, compile=True, **kw)
         for a, b in zip(eager, compiled):
@@ -548,7 +548,8 @@ def test_compiled_step_equals_eager(tiny, family, onednn, monkeypatch):
                  compile=True)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
     ops = {event.key for event in profile.key_averages()}
-    assert ("dapo::packed_linear" in ops) == (onednn == "1")
+    packed = onednn == "1" and torch.backends.mkldnn.is_available()
+    assert ("dapo::packed_linear" in ops) == packed
     monkeypatch.undo()
     M.onednn_dtypes.cache_clear()
 
