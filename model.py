@@ -93,9 +93,8 @@ class Linear(nn.Linear):
     """nn.Linear, whose products on a CPU, inside `sampling_products` and without gradients, go
     through oneDNN with the weight packed once into its kernels' blocked layout. In bf16 that is
     the library F.linear calls, minus the reordering of the weight at every call; in fp32 F.linear
-    calls MKL, which runs AVX2 kernels on AMD processors, where oneDNN uses their AVX-512. A decode
-    step's products: 1.1x faster in bf16 and 2.5x in fp32 on an AMD EPYC (README, Two kinds of
-    CPU). Gradients stay with F.linear (oneDNN's op has no backward)."""
+    calls MKL, which runs AVX2 kernels on AMD processors, where oneDNN uses their AVX-512 (figures:
+    README, Two kinds of CPU). Gradients stay with F.linear (oneDNN's op has no backward)."""
 
     def forward(self, x):
         if x.dtype in _ONEDNN_DTYPES and x.dtype == self.weight.dtype and x.device.type == "cpu" \
@@ -135,6 +134,7 @@ register_optimizer_step_post_hook(_forget_stepped)  # after any optimizer's step
 
 
 def _packed_linear(x, weight, bias):
+    """x (..., in) -> x W^T + b (..., out), on W's packed copy."""
     return torch.ops.mkldnn._linear_pointwise(x, packed(weight), bias, "none", [], "")
 
 

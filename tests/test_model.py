@@ -557,7 +557,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
 def test_freed_blocks_are_not_faulted_in_again():
     """model.keep_freed_memory: blocks the size of a sampling step's logits, freed and taken
-    again at every step, stay in the heap: not one page faulted in again after the first steps.
+    again at every step, stay in the heap: at most a step's blocks faulted in once after the first
+    steps (where the heap still grows), not every page of every step.
     Without it glibc maps such blocks afresh, in some processes and not others (its threshold
     moves with what was freed before); here its threshold is pinned at its starting 128 KB, the
     case where every page of every step is faulted in (~9,000 a step)."""
@@ -566,7 +567,7 @@ def test_freed_blocks_are_not_faulted_in_again():
                              capture_output=True, text=True,
                              env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}).stdout
         return int(out.split()[-1])
-    assert faults("keep") < 100 < 50_000 < faults("default")
+    assert faults("keep") < 10_000 < 500_000 < faults("default")  # 90 steps, 3 x 3,072 pages each
 
 
 @pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
