@@ -263,8 +263,7 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
                 cache.select_rows(rows)
                 active, tokens, keys = active[rows], tokens[rows], keys[rows]
         routing = Routing() if record else None
-        # Read only the filled slots, in buckets of 32 (compiled: one recompile, at the first new
-        # bucket, makes the length a symbol; then no more).
+        # The filled slots only, in buckets of 32 (compiled: one recompile makes it a symbol).
         cache.visible = min(cache.max_len, -(-(prompt_len + step + 1) // 32) * 32)
         draw = torch.full((1,), step + 1, dtype=torch.long, device=device)  # a fill, not a copy
         tokens, logp = step_fn(model, tokens, cache, keys, draw, temperature, top_p, top_k,
