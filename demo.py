@@ -27,6 +27,7 @@ import checkpoints
 import data
 import rollout
 import verify
+from model import keep_freed_memory
 
 MAX_QUESTION_CHARS = 2000   # what the page takes in one problem
 MAX_ANSWER_CHARS = 200      # a reference answer
@@ -288,6 +289,7 @@ def main(argv=None):
                     for r in data.load_records(args.data, split="test", limit=20)]
     except data.DataError as error:
         parser.error(f"argument --data: {error}")
+    keep_freed_memory()  # as train.py: a decode step's freed blocks are not faulted in again
     dtype = torch.bfloat16 if checkpoints.cpu_has_bf16() else torch.float32
     template = args.template or run_template(args.model, "none")  # both asked the same way
     answerers = {"trained": load_answerer(parser, "--model", args.model, dtype, template),

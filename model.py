@@ -35,6 +35,7 @@ import functools
 import math
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -155,11 +156,11 @@ def _(x, weight, bias):
 @functools.cache
 def onednn_dtypes() -> frozenset:
     """The dtypes whose sampling products run on packed oneDNN weights: bf16 wherever oneDNN runs
-    it (AVX-512, AMX); fp32 on AMD CPUs with AVX-512 (MKL leaves it unused there).
+    it (AVX-512, AMX); fp32 on AMD CPUs with AVX2 or AVX-512, where MKL's fp32 product is slower.
     DAPO_CPU_ONEDNN=0 turns both off, 1 forces fp32's (read once per process)."""
     if os.environ.get("DAPO_CPU_ONEDNN") == "0" or not torch.backends.mkldnn.is_available():
         return frozenset()
-    amd = cpu_feature("DAPO_CPU_ONEDNN", lambda info: "AuthenticAMD" in info and "avx512f" in info)
+    amd = cpu_feature("DAPO_CPU_ONEDNN", lambda info: "AuthenticAMD" in info and "avx2" in info)
     bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return frozenset(dtype for dtype, on in ((torch.float32, amd), (torch.bfloat16, bf16)) if on)
 
@@ -177,16 +178,25 @@ def cpu_feature(override: str, present) -> bool:
         return False
 
 
+_SAMPLERS = 0  # samplers running now, counted under a lock (demo.py samples in two threads)
+_SAMPLERS_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def sampling_products():
     """Within it (rollout.generate), a CPU's products run on packed oneDNN weights where that is
-    faster (`onednn_dtypes`)."""
-    global _ONEDNN_DTYPES
-    before, _ONEDNN_DTYPES = _ONEDNN_DTYPES, onednn_dtypes()
+    faster (`onednn_dtypes`), until the last sampler running (of any thread) has returned."""
+    global _ONEDNN_DTYPES, _SAMPLERS
+    with _SAMPLERS_LOCK:
+        _SAMPLERS += 1
+        _ONEDNN_DTYPES = onednn_dtypes()
     try:
         yield
     finally:
-        _ONEDNN_DTYPES = before
+        with _SAMPLERS_LOCK:
+            _SAMPLERS -= 1
+            if _SAMPLERS == 0:
+                _ONEDNN_DTYPES = frozenset()
 
 
 def keep_freed_memory():

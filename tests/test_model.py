@@ -467,6 +467,32 @@ def onednn(monkeypatch):
     M.onednn_dtypes.cache_clear()
 
 
+def test_fp32_onednn_detection_and_its_overrides(onednn, monkeypatch):
+    """fp32 sampling products on packed oneDNN on AMD CPUs with AVX2 or AVX-512 (measured faster
+    than MKL's on both ISAs: README, Two kinds of CPU); DAPO_CPU_ONEDNN forces either way."""
+    for forced in (True, False):
+        onednn(forced)
+        assert (torch.float32 in M.onednn_dtypes()) == forced
+    monkeypatch.delenv("DAPO_CPU_ONEDNN")
+    M.onednn_dtypes.cache_clear()
+    info = open("/proc/cpuinfo").read()
+    amd = "AuthenticAMD" in info and "avx2" in info
+    assert (torch.float32 in M.onednn_dtypes()) == (amd and torch.backends.mkldnn.is_available())
+
+
+def test_sampling_products_stay_on_until_the_last_sampler_returns(onednn):
+    """Two samplers that overlap (demo.py's two threads): the first to return leaves the packed
+    products on for the other, and they are off once both have returned."""
+    onednn(True)
+    first, second = M.sampling_products(), M.sampling_products()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert torch.float32 in M._ONEDNN_DTYPES
+    second.__exit__(None, None, None)
+    assert M._ONEDNN_DTYPES == frozenset()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biased q, k, v projections
 def test_sampling_products_run_on_onednn_with_f_linear_results(loaded, onednn, family):
     """Inside model.sampling_products, where oneDNN is faster, every fp32 product of the model
