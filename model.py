@@ -87,15 +87,15 @@ class ModelConfig:
 
 # ----------------------------------------------------------------------------- building blocks
 
-_ONEDNN_DTYPES = frozenset()  # set by sampling_products (one setting for the process)
+_ONEDNN_DTYPES = frozenset()  # set by sampling_products while a sampler runs (one for the process)
 
 
 class Linear(nn.Linear):
     """nn.Linear, whose products on a CPU, inside `sampling_products` and without gradients, go
     through oneDNN with the weight packed once into its kernels' blocked layout. In bf16 that is
     the library F.linear calls, minus the reordering of the weight at every call; in fp32 F.linear
-    calls MKL, which runs AVX2 kernels on AMD processors, where oneDNN uses their AVX-512 (figures:
-    README, Two kinds of CPU). Gradients stay with F.linear (oneDNN's op has no backward)."""
+    calls MKL, slower than packed oneDNN on AMD processors, with AVX2 or AVX-512 (figures: README,
+    Two kinds of CPU). Gradients stay with F.linear (oneDNN's op has no backward)."""
 
     def forward(self, x):
         if x.dtype in _ONEDNN_DTYPES and x.dtype == self.weight.dtype and x.device.type == "cpu" \
