@@ -106,25 +106,6 @@ def bench_paths(ours, hf, prompts, args):
             "transformers static+compiled": hf_static_compiled}
 
 
-def first_calls(paths, device):
-    """Runs each path once (compiling), printing its time at once, as it can take minutes.
-    Returns the paths that ran and their first-call seconds; a peer's path that fails is left
-    out, its error printed (transformers' static+compiled path sampled from NaNs with Inductor's
-    AVX2 code, ATEN_CPU_CAPABILITY=avx2), so that the others are still measured. Ours fail loudly."""
-    ran, first = {}, {}
-    for name, run in paths.items():
-        try:
-            first[name] = timed(run, device)
-        except RuntimeError as error:
-            if not name.startswith("transformers"):
-                raise
-            print(f"  {name}: failed, left out: {str(error).splitlines()[0]}", flush=True)
-            continue
-        ran[name] = run
-        print(f"  {name}: first call {first[name]:.1f} s", flush=True)
-    return ran, first
-
-
 def bench_sampler(args):
     """Tokens per second of each path (median of alternated runs), the ratio to transformers'
     eager generate, the fraction of the matmul-only bound, and each path's first-call time
@@ -149,7 +130,11 @@ def bench_sampler(args):
         hf = AutoModelForCausalLM.from_pretrained(args.model or converted_dir(),
                                                   dtype=dtype).to(device).eval()
         hf.generation_config.pad_token_id = tokenizer.pad_token_id or 0
-        paths, first = first_calls(bench_paths(ours, hf, prompts, args), device)
+        paths = bench_paths(ours, hf, prompts, args)
+        first = {}
+        for name, run in paths.items():  # compiles here; printed at once, as it can take minutes
+            first[name] = timed(run, device)
+            print(f"  {name}: first call {first[name]:.1f} s", flush=True)
         times = {name: [] for name in paths}
         for _ in range(args.repeats):  # alternate, so drift hits every path alike
             for name, run in paths.items():
