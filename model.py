@@ -187,9 +187,10 @@ def sampling_products():
     """Within it (rollout.generate), a CPU's products run on packed oneDNN weights where that is
     faster (`onednn_dtypes`), until the last sampler running (of any thread) has returned."""
     global _ONEDNN_DTYPES, _SAMPLERS
+    dtypes = onednn_dtypes()  # (before counting: should it raise, no sampler is left counted)
     with _SAMPLERS_LOCK:
         _SAMPLERS += 1
-        _ONEDNN_DTYPES = onednn_dtypes()
+        _ONEDNN_DTYPES = dtypes
     try:
         yield
     finally:
@@ -204,7 +205,7 @@ def keep_freed_memory():
     block of that size is faulted in again page by page: a CPU decode step's logits and their
     sampling temporaries ((64, 49k) each) cost 10-20% of the step so (README, Two kinds of CPU).
     This process keeps blocks up to 32 MB in its heap after they are freed. An entry point's
-    call (train.py, eval.py, bench.py); nothing where the C library has no mallopt."""
+    call (train.py, eval.py, bench.py, demo.py); nothing where the C library has no mallopt."""
     if not sys.platform.startswith("linux"):
         return
     try:
