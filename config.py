@@ -34,7 +34,8 @@ CPU_DEFAULTS = {
                            # paper's 16 would be mini-batches of 4 samples
     "overlong_cache": 0.25,  # 16 of the 64-token budget (DAPO: 4,096 of 20,480, a fifth)
     "max_refills": 0,      # a refill is another whole rollout round; on a CPU it is cheaper to
-                           # train on the informative groups found (fewer updates with fewer)
+                           # train on the informative groups found (fewer updates with fewer):
+                           # refills gained per step, not per minute (README, "Measured")
     "temperature": 0.8,    # at 1.0 this model is right ~3x less often than greedy: most groups
                            # would be all wrong and carry no signal
 }
