@@ -17,6 +17,7 @@ import sys
 import dapo
 import data
 import losses
+import objectives
 import rewards
 import runs
 import tracking
@@ -30,12 +31,13 @@ CPU_DEFAULTS = {
     "lr_schedule": "cosine",  # at a constant 1e-5 held-out accuracy peaked at ~11 minutes and
                               # then drifted down (81% -> 68%); decaying the rate holds the gain
     "mini_batches": 4,     # clip-higher acts only with several updates a step; of 1, 2 and 4,
-                           # 4 ended highest in the fewest minutes (README, "Measured"); the
-                           # paper's 16 would be mini-batches of 4 samples
+                           # 4 ended highest in the fewest minutes (MEASUREMENTS.md, "The default
+                           # run"); the paper's 16 would be mini-batches of 4 samples
     "overlong_cache": 0.25,  # 16 of the 64-token budget (DAPO: 4,096 of 20,480, a fifth)
     "max_refills": 0,      # a refill is another whole rollout round; on a CPU it is cheaper to
                            # train on the informative groups found (fewer updates with fewer):
-                           # refills gained per step, not per minute (README, "Measured")
+                           # refills gained per step, not per minute (MEASUREMENTS.md, "Tuning
+                           # the default")
     "temperature": 0.8,    # at 1.0 this model is right ~3x less often than greedy: most groups
                            # would be all wrong and carry no signal
 }
@@ -176,7 +178,7 @@ def algorithm_flags(g):
                    help="REINFORCE++: beta of the KL to the reference in each token's reward")
     g.add_argument("--loss-agg", default="token-mean", choices=list(losses.AGGREGATIONS),
                    help="loss aggregation")
-    g.add_argument("--objective", default="clip", choices=list(losses.OBJECTIVES),
+    g.add_argument("--objective", default="clip", choices=list(objectives.OBJECTIVES),
                    help="the policy-gradient surrogate: DAPO's clipped ratio, or GSPO, CISPO, "
                         "GMPO, SAPO; --preset NAME sets its paper's clip range and aggregation "
                         "too (README: the objectives)")
@@ -272,7 +274,7 @@ def parse_config(argv=None):
 
 def refuse_inert_flags(args, explicit, parser):
     """A flag given explicitly that the rest of the configuration would ignore is refused by name."""
-    acts = {"cov_fraction": ("--objective clip-cov or kl-cov", args.objective in losses.CHOOSING),
+    acts = {"cov_fraction": ("--objective clip-cov or kl-cov", args.objective in objectives.CHOOSING),
             "clip_cov_low": ("--objective clip-cov", args.objective == "clip-cov"),
             "clip_cov_high": ("--objective clip-cov", args.objective == "clip-cov"),
             "kl_cov_coef": ("--objective kl-cov", args.objective == "kl-cov"),
@@ -378,7 +380,7 @@ def refuse_combinations(args, parser):
     if args.algo == "dpo" and (args.tis_cap or args.high_entropy_fraction < 1):
         parser.error("--tis-cap and --high-entropy-fraction weight policy-gradient tokens; "
                      "--algo dpo has none")
-    if args.high_entropy_fraction < 1 and args.objective in losses.SEQUENCE_LEVEL:
+    if args.high_entropy_fraction < 1 and args.objective in objectives.SEQUENCE_LEVEL:
         parser.error(f"--high-entropy-fraction chooses tokens; --objective {args.objective} gives "
                      "each token of a sequence the gradient of the whole sequence's ratio")
     if not args.tis_cap and (args.tis_level, args.tis_mode, args.tis_floor) != ("token", "truncate", 0):
@@ -393,7 +395,8 @@ def refuse_combinations(args, parser):
     if args.algo == "dpo" and str(args.data).startswith("memory"):
         parser.error("--algo dpo pairs single completions; the memory task's episodes have "
                      "several turns: use a policy-gradient preset (dapo-memory)")
-    if args.adv_estimator == "reinforce_pp" and (args.objective in losses.SEQUENCE_LEVEL or args.algo == "dpo"):
+    if args.adv_estimator == "reinforce_pp" and (args.objective in objectives.SEQUENCE_LEVEL
+                                                 or args.algo == "dpo"):
         parser.error(f"--adv-estimator reinforce_pp gives each token its own advantage; "
                      f"{'--algo dpo' if args.algo == 'dpo' else '--objective ' + args.objective} "
                      "takes one per sequence")
@@ -451,9 +454,9 @@ def compile_choice(args):
 
 
 def compiles_update(args, model) -> bool:
-    """--compile for the update's forward and backward (model.compile_blocks): on unless off, as
-    it wins on both devices (README, Measured), where it can run (a CPU needs a C++ compiler); a
-    Mixture-of-Experts model stays eager."""
+    """--compile for the update's forward and backward (speed.compile_blocks): on unless off, as
+    it wins on both devices (MEASUREMENTS.md, "The update"), where it can run (a CPU needs a C++
+    compiler); a Mixture-of-Experts model stays eager."""
     if getattr(args, "compile", "auto") == "off" or model.config.num_experts:
         return False
     return args.device.type == "cuda" or cpp_compiler_found()
@@ -468,14 +471,28 @@ def cpp_compiler_found() -> bool:
     return shutil.which(cpp_compiler()) is not None
 
 
+def reads_old_logprobs(args):
+    """Whether step 4 reads pi_old (REINFORCE++'s KL in the reward): then step 3 scores it even
+    at one update a step."""
+    return args.adv_estimator == "reinforce_pp" and args.reward_kl_coef > 0
+
+
 def objective_settings(args):
-    """losses.OBJECTIVES[args.objective]'s own keyword arguments under these flags."""
+    """objectives.OBJECTIVES[args.objective]'s own keyword arguments under these flags."""
     if args.objective == "sapo":
         return {"tau_pos": args.sapo_tau_pos, "tau_neg": args.sapo_tau_neg}
     if args.objective == "kl-cov":
         return {"kl_coef": args.kl_cov_coef}
     clip = {"eps_low": args.eps_low, "eps_high": args.eps_high}
     return {**clip, "clip_c": args.clip_c} if args.objective == "clip" else clip
+
+
+def sampling_options(args, stop_ids):
+    """rollout.generate's keyword arguments under this run's flags (besides prompts, samples and
+    seeds)."""
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                stop_token_ids=stop_ids, compile=compile_choice(args),
+                record_routing=args.routing_replay)
 
 
 def reward_options(args, completion):

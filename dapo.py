@@ -147,6 +147,20 @@ def kl_penalised_returns(reward: float, kl, beta: float) -> torch.Tensor:
     return reward - beta * to_the_end
 
 
+def reinforce_pp_advantages(rewards, kl, counted, beta: float, reduce=None) -> list:
+    """REINFORCE++'s advantages (arXiv 2501.03262): each row's returns (`kl_penalised_returns`,
+    kl[i] the k1 KL of row i's tokens), normalised (mean and std) over every token of the rows
+    that reach the loss (`counted`: change 4's filter drops truncated rows) of the whole batch.
+    `reduce`: adds the batch's `moments` over ranks (e.g. an all-reduce), so every rank
+    normalises as one process would. -> per row, a list of token advantages"""
+    returns = [kl_penalised_returns(reward, k, beta) for reward, k in zip(rewards, kl)]
+    kept = [r for r, c in zip(returns, counted) if c]
+    kept_moments = moments(torch.cat(kept) if kept else torch.zeros(0))
+    flat = torch.cat(returns) if returns else torch.zeros(0, dtype=torch.float64)  # (sum T_i,)
+    normalised = whiten(flat, reduce(kept_moments) if reduce else kept_moments, center=True)
+    return [part.tolist() for part in normalised.split([len(r) for r in returns])]
+
+
 # ---------------------------------------------------------------------------------------------
 # Group filtering (DAPO eq. 11) and its adversarial variant
 # ---------------------------------------------------------------------------------------------
@@ -459,11 +473,12 @@ PRESETS: dict[str, dict] = {
     # page a turn, asked at the end for day 1's sale, so the memory written at page 1 must be kept
     # past the later pages; one outcome reward for the whole episode, given to every turn. A reply
     # is one short line after "Memory:" or "Answer:", so each turn's budget is small. (The running
-    # total, `ask=total`, is past what the bundled model learns in a CPU run: README.)
+    # total, `ask=total`, is past what the bundled model learns in a CPU run: MEASUREMENTS.md,
+    # "Tasks in turns".)
     "dapo-memory": {**_DAPO, "data": "memory:pages=3,max=9,filler=2,ask=first", "max_new_tokens": 16,
                     "eval_limit": 50},
     "dapo-balanced": {**_DAPO, "efficiency_weight": 0.1},
-    # The objectives since DAPO (losses.OBJECTIVES), each in place of DAPO's clipped ratio with the
+    # The objectives since DAPO (objectives.OBJECTIVES), each in place of DAPO's clipped ratio with the
     # rest of DAPO kept (dynamic sampling, overlong shaping, the updates per step), at its paper's
     # clip range and aggregation.
     # GSPO (arXiv 2507.18071, section 5.1): a sequence-level ratio clipped to [1 - 3e-4, 1 + 4e-4].

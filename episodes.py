@@ -25,7 +25,10 @@ import random
 import re
 from dataclasses import dataclass
 
+import config
+import dapo
 import data
+import rewards
 from rollout import Completion, generate
 
 # What each question asks (MemoryTask's `ask`): the total over every page, or the first page's
@@ -55,11 +58,16 @@ MEMORY_LINE = re.compile(r"^[ \t]*\**memory\**[ \t]*:[ \t]*(.*?)[ \t]*$", re.IGN
 ANSWER_LINE = re.compile(r"^[ \t]*\**answer\**[ \t]*:", re.IGNORECASE | re.MULTILINE)
 
 
+def in_turns(record):
+    """Whether `record` is a task in turns (its episodes go through `play`); else one turn."""
+    return "pages" in record
+
+
 def next_turn(record, turn, last_text=None):
     """The record whose prompt the model sees at turn `turn` (0-based) of `record`'s episode, or
     None when the episode has ended: a one-turn record after its turn; a memory record after its
     last page, or as soon as a turn writes an "Answer:" line (it answered early)."""
-    if "pages" not in record:
+    if not in_turns(record):
         return record if turn == 0 else None
     if turn == len(record["pages"]) or (turn > 0 and ANSWER_LINE.search(last_text)):
         return None
@@ -109,6 +117,44 @@ def play(model, tokenizer, records, num_samples, seeds, *, template, **sampling)
         turn_seeds = [random.Random(f"{seeds[owner[i]]}:{sample[i]}:{turn}").getrandbits(62)
                       for i in going]
         completions = generate(model, prompts, num_samples=1, seed=turn_seeds, **sampling)
+
+
+def play_and_reward(model, tokenizer, records, num_samples, seeds, args, stop_ids):
+    """Step 1 of a training step for a task in turns: num_samples[i] episodes of records[i],
+    each rewarded by its last turn's answer; that outcome, with every turn's length and
+    perplexity terms (change 4 applies per turn), is the reward of all its turns.
+    -> train.Rollouts' fields, a row per turn (episode-major)"""
+    played = play(model, tokenizer, records, num_samples, seeds, template=args.template,
+                  **config.sampling_options(args, stop_ids))
+    group = [g for g, n in enumerate(num_samples) for _ in range(n)]  # (E,) prompt of each episode
+    scored = [rewards.math_reward(turns[-1].text, records[g]["answer"],
+                                  **config.reward_options(args, turns[-1].completion))
+              for turns, g in zip(played, group)]
+    per_turn = [[rewards.shaping(**config.shaping_options(args, t.completion)) for t in turns[:-1]]
+                for turns in played]  # the earlier turns' own terms (the last turn's are scored)
+    earlier = [{name: sum(terms[name] for terms in turns) for name in ("overlong", "ppl")}
+               for turns in per_turn]  # (E,)
+    correct = [parts["accuracy"] > 0 for _, parts in scored]
+    bonus = [0.0] * len(played)
+    if args.efficiency_weight:  # balanced reasoning: short right answers score a little more
+        lengths = [sum(len(t.completion.tokens) for t in turns) for turns in played]
+        bonus = dapo.efficiency_bonus(correct, lengths, num_samples, args.efficiency_weight).tolist()
+    episode_rewards = [r + e["overlong"] + e["ppl"] + b for (r, _), e, b in zip(scored, earlier, bonus)]
+    parts = [{**p, "overlong": p["overlong"] + e["overlong"], "ppl": p["ppl"] + e["ppl"],
+              "efficiency": b} for (_, p), e, b in zip(scored, earlier, bonus)]
+    rows = [(e, turn) for e, turns in enumerate(played) for turn in turns]  # (N,) episode-major
+    rows_per_group = [0] * len(records)
+    for g, turns in zip(group, played):
+        rows_per_group[g] += len(turns)
+    return dict(records=list(records), group_sizes=rows_per_group,
+                prompts=[turn.prompt for _, turn in rows],
+                tokens=[turn.completion.tokens for _, turn in rows],
+                sampler_logprobs=[turn.completion.logprobs for _, turn in rows],
+                truncated=[turn.completion.finish_reason == "length" for _, turn in rows],
+                rewards=[episode_rewards[e] for e, _ in rows], correct=[correct[e] for e, _ in rows],
+                reward_parts=[parts[e] for e, _ in rows], stale=[False] * len(rows),
+                turn=[t for turns in played for t in range(len(turns))],
+                routing=[turn.completion.routing for _, turn in rows] if args.routing_replay else None)
 
 
 def read_memory(text):

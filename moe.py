@@ -129,3 +129,14 @@ def router_loss(routing: Routing, cfg, attention_mask, weight: float):
     counted = float(weight > 0)
     return aux, {"router_aux_loss": float(aux) * counted, "router_aux_batches": counted}
 
+
+
+def replay_rows(routes, prompts, tokens, rows, width, cfg, device):
+    """--routing-replay: the sampler's experts of `rows` (routes[i] per row of a batch) laid out
+    as data.pack lays out their tokens (`replay_layout`), on `device`; None where the batch
+    recorded none (a stand-in micro-batch)."""
+    if routes is None:
+        return None
+    return replay_layout([routes[i] for i in rows], [prompts[i] for i in rows],
+                         [tokens[i] for i in rows], width, cfg.num_layers,
+                         cfg.experts_per_token).to(device)

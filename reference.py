@@ -17,6 +17,7 @@ import data
 import distributed
 import launch
 import losses
+import objectives
 from distributed import add, all_reduce
 from lora import lora_disabled
 from model import token_logprobs
@@ -52,7 +53,7 @@ def kl_term(run, mb, divisors, hidden, logp, positions=64):
                         temperature=args.gkl_temperature,
                         weight_temperature=args.gkl_weight_temperature)
         per_token = torch.cat([
-            checkpoint(losses.gkl_of_hidden, hidden[:, s:s + positions], ref_hidden[:, s:s + positions],
+            checkpoint(objectives.gkl_of_hidden, hidden[:, s:s + positions], ref_hidden[:, s:s + positions],
                        run.policy.output.weight, ref_weight, settings,
                        run.policy.config.final_softcap, use_reentrant=False)
             for s in range(0, C, positions)], dim=1)  # (b, C)
@@ -141,7 +142,7 @@ def dpo_loss(run, mb):
         ref = (reference_forward(run, lambda m: token_logprobs(m, mb.ids, mb.attn, start=mb.start))
                * mb.mask).sum(-1)  # (2b,)
     chosen, rejected = seq_logp[0::2], seq_logp[1::2]  # rows alternate: chosen, rejected, ...
-    loss, stats = losses.dpo_loss(chosen, rejected, ref[0::2], ref[1::2], run.args.dpo_beta,
-                                  num_pairs=mb.num_pairs)
+    loss, stats = objectives.dpo_loss(chosen, rejected, ref[0::2], ref[1::2], run.args.dpo_beta,
+                                      num_pairs=mb.num_pairs)
     return loss, ({f"dpo_{n}": float(stats[n]) * mb.pairs for n in names}
                   | {"pairs": mb.pairs, "pair_tokens": float(mb.attn.sum())})  # prompts + replies

@@ -1,7 +1,7 @@
 """Train a language model with DAPO (or GRPO, Dr. GRPO, RLOO, REINFORCE-baseline, DPO) on math.
 
     python train.py                       # the offline default: bundled SmolLM2-135M-Instruct,
-                                          # synthetic arithmetic, on a laptop CPU (README: timings)
+                                          # synthetic arithmetic, on a laptop CPU
     python train.py --preset dapo --model Qwen/Qwen2.5-0.5B-Instruct --data gsm8k --max-new-tokens 1024
     torchrun --nproc_per_node 8 train.py --preset dapo --model Qwen/Qwen2.5-1.5B-Instruct \\
         --data dapo-math-17k --prompts-per-step 512 --samples 16 --max-new-tokens 4096
@@ -24,16 +24,15 @@ One training step (`train_step`), numbered as the code below:
   2. Filter and refill the groups (change 2).
   3. Old log-probs: the trainer scores the batch before its first update (pi_old of eq. 10).
   4. Advantages within each group (eq. 9), or per token (REINFORCE++, which reads pi_old).
-  5. Updates on mini-batches of 1/mu of a full batch in prompts (mu of them when the batch is
-     full, fewer when dynamic sampling fell short, none when it kept nothing), accumulated over micro-batches
-     with the token counts of the whole mini-batch over all ranks as divisors (changes 1, 3 and
-     4's mask).
+  5. Updates on mini-batches of 1/mu of a full batch (fewer of them when dynamic sampling fell
+     short), accumulated over micro-batches with the token counts of the whole mini-batch over
+     all ranks as divisors (changes 1, 3 and 4's mask).
   6. Metrics: named sums, reduced over ranks in one call; rank 0 writes them.
---steps counts these training steps; the warm-up and the learning-rate schedule count the steps
-that made an optimizer step (one that kept no group, or no loss token, is logged, not scheduled),
-as verl's schedule counts the batches it trains on; the log also counts optimizer updates.
-What a run needs around its steps (setup, checkpoints, held-out evaluation) is in launch.py, its
-directory in runs.py; the reference policy's terms and DPO in reference.py.
+--steps counts these training steps; the schedule counts those that made an optimizer step.
+What is not DAPO stays beside this file: setup, checkpoints and held-out evaluation in launch.py
+(the run's directory in runs.py), step 6's metrics in metrics.py, tasks in turns in episodes.py,
+the objectives since DAPO in objectives.py and their choices of tokens in token_choice.py, the
+reference policy's terms and DPO in reference.py, routing replay in moe.py.
 """
 
 import dataclasses
@@ -56,9 +55,13 @@ import distributed
 import episodes
 import launch
 import losses
+import metrics
 import moe
+import objectives
 import reference
 import rewards
+import rollout
+import token_choice
 from distributed import add, all_reduce, gather, reduce_metrics, top
 from model import token_logprobs
 from moe import Routing
@@ -174,8 +177,10 @@ def train_step(run, progress):
     end = time.perf_counter()
     seconds = {"rollout": sampled_at - start, "scoring": scored_at - sampled_at,
                "update": updated_at - scored_at, "refresh": end - updated_at}
-    row = step_metrics(run, progress, collected, update_sums,            # 6
-                       {**update_maxima, "peak_memory_mib": launch.peak_memory_mib(args)}, seconds)
+    done = Rollouts.concat(collected.sampled) if collected.sampled else STAND_IN.select([])
+    row = metrics.step_metrics(run, progress, collected, done, update_sums,  # 6
+                               {**update_maxima, "peak_memory_mib": launch.peak_memory_mib(args)},
+                               seconds)
 
     row["accuracy_ema"] = ema = data.curriculum_step(run.source, progress.accuracy_ema,
                                                      row["accuracy"], args.curriculum)
@@ -193,44 +198,33 @@ def train_step(run, progress):
 # ---- 1-2: sample, reward, filter ----------------------------------------------------------------
 
 def sample_and_reward(run, records, num_samples, seeds):
-    """Step 1: num_samples[i] episodes of records[i] from the sampler (one turn each for a math
-    problem, episodes.py), each rewarded by its last turn's answer; that outcome, with every
-    turn's length and perplexity terms (change 4 applies per turn), is the reward of all its turns."""
-    args, tokenizer = run.args, run.tokenizer
-    played = episodes.play(run.sampler.eval(), tokenizer, records, num_samples, seeds,
-                           template=args.template, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, top_p=args.top_p,
-                           stop_token_ids=run.stop_ids, compile=config.compile_choice(args),
-                           record_routing=args.routing_replay)
-    group = [g for g, n in enumerate(num_samples) for _ in range(n)]  # (E,) prompt of each episode
-    scored = [rewards.math_reward(turns[-1].text, records[g]["answer"],
-                                  **config.reward_options(args, turns[-1].completion))
-              for turns, g in zip(played, group)]
-    per_turn = [[rewards.shaping(**config.shaping_options(args, t.completion)) for t in turns[:-1]]
-                for turns in played]  # the earlier turns' own terms (the last turn's are scored)
-    earlier = [{name: sum(terms[name] for terms in turns) for name in ("overlong", "ppl")}
-               for turns in per_turn]  # (E,)
+    """Step 1: num_samples[i] completions of records[i] from the sampler, each rewarded by its
+    answer (eq. 7) and length (change 4's punishment). A task in turns plays whole episodes
+    instead, a row per turn (episodes.py)."""
+    args, tokenizer, sampler = run.args, run.tokenizer, run.sampler.eval()
+    if any(episodes.in_turns(record) for record in records):
+        return Rollouts(**episodes.play_and_reward(sampler, tokenizer, records, num_samples, seeds,
+                                                   args, run.stop_ids))
+    prompts = [data.format_prompt(record, tokenizer, args.template) for record in records]
+    done = rollout.generate(sampler, prompts, num_samples=num_samples, seed=seeds,
+                            **config.sampling_options(args, run.stop_ids))  # prompt-major
+    records_ = [records[c.prompt_index] for c in done]
+    scored = [rewards.math_reward(record.get("reply_prefix", "") + tokenizer.decode(
+        c.tokens, skip_special_tokens=True), record["answer"], **config.reward_options(args, c))
+        for record, c in zip(records_, done)]
     correct = [parts["accuracy"] > 0 for _, parts in scored]
-    bonus = [0.0] * len(played)
+    bonus = [0.0] * len(done)
     if args.efficiency_weight:  # balanced reasoning: short right answers score a little more
-        lengths = [sum(len(t.completion.tokens) for t in turns) for turns in played]
-        bonus = dapo.efficiency_bonus(correct, lengths, num_samples, args.efficiency_weight).tolist()
-    episode_rewards = [r + e["overlong"] + e["ppl"] + b for (r, _), e, b in zip(scored, earlier, bonus)]
-    parts = [{**p, "overlong": p["overlong"] + e["overlong"], "ppl": p["ppl"] + e["ppl"],
-              "efficiency": b} for (_, p), e, b in zip(scored, earlier, bonus)]
-    rows = [(e, turn) for e, turns in enumerate(played) for turn in turns]  # (N,) episode-major
-    rows_per_group = [0] * len(records)
-    for g, turns in zip(group, played):
-        rows_per_group[g] += len(turns)
-    return Rollouts(records=list(records), group_sizes=rows_per_group,
-                    prompts=[turn.prompt for _, turn in rows],
-                    tokens=[turn.completion.tokens for _, turn in rows],
-                    sampler_logprobs=[turn.completion.logprobs for _, turn in rows],
-                    truncated=[turn.completion.finish_reason == "length" for _, turn in rows],
-                    rewards=[episode_rewards[e] for e, _ in rows], correct=[correct[e] for e, _ in rows],
-                    reward_parts=[parts[e] for e, _ in rows], stale=[False] * len(rows),
-                    turn=[t for turns in played for t in range(len(turns))],
-                    routing=[turn.completion.routing for _, turn in rows] if args.routing_replay else None)
+        bonus = dapo.efficiency_bonus(correct, [len(c.tokens) for c in done], num_samples,
+                                      args.efficiency_weight).tolist()
+    return Rollouts(records=list(records), group_sizes=list(num_samples),
+                    prompts=[prompts[c.prompt_index] for c in done], tokens=[c.tokens for c in done],
+                    sampler_logprobs=[c.logprobs for c in done],
+                    truncated=[c.finish_reason == "length" for c in done],
+                    rewards=[r + b for (r, _), b in zip(scored, bonus)], correct=correct,
+                    reward_parts=[{**p, "efficiency": b} for (_, p), b in zip(scored, bonus)],
+                    stale=[False] * len(done), turn=[0] * len(done),
+                    routing=[c.routing for c in done] if args.routing_replay else None)
 
 
 def collect_rollouts(run, progress):
@@ -259,11 +253,8 @@ def collect_rollouts(run, progress):
         records = requests + run.stream.take(count)  # only what is asked: none skipped
         seeds = [random.Random(f"{args.seed}:{progress.step}:{round_index}:{place}").getrandbits(62)
                  for place in places]
-        counts = [args.samples] * len(records)
-        if args.adaptive_budget:
-            counts = dapo.adaptive_num_samples([progress.prompt_accuracy.get(r["id"]) for r in records],
-                                               total=len(records) * args.samples, min_samples=2,
-                                               max_samples=2 * args.samples)
+        counts = adaptive_budget(args, progress, records) if args.adaptive_budget \
+            else [args.samples] * len(records)
         batch = sample_and_reward(run, records, counts, seeds)
         sampled.append(batch)
         if not args.dynamic_sampling:
@@ -271,10 +262,7 @@ def collect_rollouts(run, progress):
         informative = dapo.keep_groups(batch.correct, batch.group_sizes).tolist()  # eq. 11
         kept.append(batch.select(g for g, keep in enumerate(informative) if keep))
         last_round = round_index + 1 == rounds or have + sum(informative) >= want
-        requests = [] if last_round or not args.adversarial else data.adversarial_variants(
-            batch.records, dapo.adversarial_requests(batch.correct, batch.group_sizes),
-            run.variant_rng, run.tokenizer, args.template,
-            max_prompt_tokens=run.policy.config.max_seq_len - args.max_new_tokens)
+        requests = [] if last_round or not args.adversarial else harder_variants(run, batch)
         asked += len(requests)
     kept = Rollouts.concat(kept)
     surplus = None
@@ -282,6 +270,23 @@ def collect_rollouts(run, progress):
         surplus = kept.select(range(want, kept.num_groups))
         surplus = replace(surplus, stale=[True] * len(surplus.stale))
     return Collected(kept.select(range(min(want, kept.num_groups))), sampled, surplus, asked)
+
+
+def adaptive_budget(args, progress, records):
+    """--adaptive-budget: each prompt's number of samples from its accuracy so far (hard prompts
+    more, easy ones fewer), the round's total unchanged."""
+    return dapo.adaptive_num_samples([progress.prompt_accuracy.get(r["id"]) for r in records],
+                                     total=len(records) * args.samples, min_samples=2,
+                                     max_samples=2 * args.samples)
+
+
+def harder_variants(run, batch):
+    """--adversarial: harder (or hinted) variants of the round's signal-less prompts, asked first
+    in the next round."""
+    return data.adversarial_variants(
+        batch.records, dapo.adversarial_requests(batch.correct, batch.group_sizes), run.variant_rng,
+        run.tokenizer, run.args.template,
+        max_prompt_tokens=run.policy.config.max_seq_len - run.args.max_new_tokens)
 
 
 # ---- 3-4: old log-probs, advantages -------------------------------------------------------------
@@ -303,23 +308,17 @@ def with_advantages(run, batch):
 
 
 def reinforce_pp_advantages(run, batch):
-    """REINFORCE++ (arXiv 2501.03262): each row's returns with a k1 KL to the reference in the
-    reward at every token (`dapo.kl_penalised_returns`; pi_old from step 3), then normalised over
-    every token of the batch on all ranks. A turn of an episode is a row: its returns hold its
-    own tokens' KL. -> per row, a list of token advantages"""
+    """REINFORCE++'s per-token advantages (dapo.reinforce_pp_advantages): the k1 KL of pi_old (step
+    3) to the reference at every token, normalised over every token of the batch on all ranks. A
+    turn of an episode is a row: its returns hold its own tokens' KL."""
     args, rows = run.args, list(range(len(batch.tokens)))
     kl = [torch.zeros(len(t), dtype=torch.float64) for t in batch.tokens]     # (T_i,) each
     if args.reward_kl_coef > 0:
         reference_logprobs = scored_logprobs(run, batch, rows, under_reference=True)
         kl = [torch.tensor(batch.old_logprobs[i], dtype=torch.float64)
               - torch.tensor(reference_logprobs[i], dtype=torch.float64) for i in rows]
-    returns = [dapo.kl_penalised_returns(batch.rewards[i], kl[i], args.reward_kl_coef) for i in rows]
-    # The mean and std over the tokens that reach the loss (change 4's filter drops some rows).
-    counted = [r for i, r in enumerate(returns) if not (args.overlong_filter and batch.truncated[i])]
-    counted_moments = dapo.moments(torch.cat(counted) if counted else torch.zeros(0))
-    flat = torch.cat(returns) if returns else torch.zeros(0, dtype=torch.float64)  # (sum T_i,)
-    normalised = dapo.whiten(flat, all_reduce(counted_moments), center=True)
-    return [part.tolist() for part in normalised.split([len(r) for r in returns])]
+    counted = [not (args.overlong_filter and truncated) for truncated in batch.truncated]
+    return dapo.reinforce_pp_advantages(batch.rewards, kl, counted, args.reward_kl_coef, all_reduce)
 
 
 @torch.no_grad()
@@ -330,17 +329,11 @@ def with_old_logprobs(run, batch):
     keep their sampler's log-probs: that policy sampled them."""
     args = run.args
     old = [list(lp) if stale else None for lp, stale in zip(batch.sampler_logprobs, batch.stale)]
-    if args.algo == "pg" and (update_count(run, batch) > 1 or reads_old_logprobs(args)):
+    if args.algo == "pg" and (update_count(run, batch) > 1 or config.reads_old_logprobs(args)):
         fresh = [i for i, stale in enumerate(batch.stale) if not stale]
         for i, logp in zip(fresh, scored_logprobs(run, batch, fresh)):
             old[i] = logp
     return replace(batch, old_logprobs=old)
-
-
-def reads_old_logprobs(args):
-    """Whether step 4 reads pi_old (REINFORCE++'s KL in the reward): then step 3 scores it even
-    at one update a step."""
-    return args.adv_estimator == "reinforce_pp" and args.reward_kl_coef > 0
 
 
 @torch.no_grad()
@@ -355,8 +348,8 @@ def scored_logprobs(run, batch, rows, under_reference=False):
         part = rows[k * size:(k + 1) * size]
         ids, attn, _, start = data.pack([batch.prompts[i] for i in part] or [[0]],
                                         [batch.tokens[i] for i in part] or [[0]], args.device)
-        replay = replay_experts(run, batch, part, ids.shape[1] - start) \
-            if part and not under_reference else None
+        replay = moe.replay_rows(batch.routing, batch.prompts, batch.tokens, part, ids.shape[1] - start,
+                                 run.policy.config, args.device) if part and not under_reference else None
         score = functools.partial(completion_logprobs, ids=ids, attn=attn, start=start,
                                   replay=replay, temperature=args.temperature)
         with launch.autocast(run):
@@ -418,8 +411,10 @@ def update(run, batch, step=0):
         if int(divisors[0]["num_tokens"]) == 0:  # no loss token on any rank: nothing to learn
             sums = add(sums, {"empty_updates": 1})
             continue
-        chosen = chosen_tokens(run, micro, f"{args.seed}:{step}:{index}") \
-            if token_choices(args) else [{}] * len(micro)
+        chosen = [{}] * len(micro)
+        if token_choice.token_choices(args):  # the 80/20 rule, Clip-Cov, KL-Cov
+            chosen = token_choice.chosen_tokens(run, micro, f"{args.seed}:{step}:{index}",
+                                                functools.partial(figures_of, run))
         run.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for k, (mb, divisor, choice) in enumerate(zip(micro, divisors, chosen)):
@@ -467,7 +462,8 @@ def policy_micro_batches(run, batch, rows, first_group):
             sampler=data.pad_rows([rollouts.sampler_logprobs[i] for i in part], width, device),
             fresh=torch.tensor([not rollouts.stale[i] for i in part], device=device),
             group_ids=torch.tensor([group[i] if rollouts is batch else 0 for i in part], device=device),
-            replay=replay_experts(run, rollouts, part, width),
+            replay=moe.replay_rows(rollouts.routing, rollouts.prompts, rollouts.tokens, part, width,
+                                   run.policy.config, device) if run.args.routing_replay else None,
             # the router loss: a mean over the micro-batches of every rank (stand-ins: none)
             aux_weight=0.0 if rollouts is STAND_IN else 1.0 / (count * run.world)))
     return out
@@ -481,94 +477,19 @@ def advantages_of(rollouts, rows, width, device):
     return torch.tensor(values, device=device)
 
 
-def replay_experts(run, rollouts, rows, completion_width):
-    """--routing-replay: the sampler's experts of these rows laid out as data.pack lays out their
-    tokens (moe.replay_layout), on the device; else None (and for stand-ins, which have none)."""
-    if not run.args.routing_replay or rollouts.routing is None:
-        return None
-    cfg = run.policy.config
-    return moe.replay_layout([rollouts.routing[i] for i in rows], [rollouts.prompts[i] for i in rows],
-                             [rollouts.tokens[i] for i in rows], completion_width, cfg.num_layers,
-                             cfg.experts_per_token).to(run.args.device)
-
-
-def chosen_tokens(run, micro, seed):
-    """The tokens the 80/20 rule (--high-entropy-fraction) and Clip-Cov / KL-Cov choose among every
-    loss token of the mini-batch on all ranks: each token's figures from a forward without
-    gradient (the weights the update's forwards see), gathered in one order over ranks (a rank's
-    after those of the ranks before it), the choice (Clip-Cov's draw seeded by `seed`, the same on
-    every rank), and each micro-batch's part. -> per micro-batch {name: (b, C) bool}"""
-    args, names = run.args, token_choices(run.args)
-    mine = [token_figures(run, mb) for mb in micro]
-    ranks = gather({key: torch.cat([f[key] for f in mine]) for key in mine[0]}, run.world)
-    every = {key: torch.cat([r[key] for r in ranks]) for key in ranks[0]}  # (N,) each
-    whole = {}
-    if "high_entropy" in names:
-        whole["high_entropy"] = losses.high_entropy_tokens(every["entropy"], args.high_entropy_fraction)
-    if "covariance" in names:
-        covariance = losses.token_covariance(every["logp"], every["advantage"])  # eq. 11
-        whole["covariance"] = losses.kl_cov_tokens(covariance, fraction=args.cov_fraction) \
-            if args.objective == "kl-cov" else losses.clip_cov_tokens(
-                covariance, every["clipped"], fraction=args.cov_fraction, low=args.clip_cov_low,
-                high=args.clip_cov_high, generator=torch.Generator().manual_seed(
-                    random.Random(seed).getrandbits(62)))
-    start, out = sum(len(r["entropy"]) for r in ranks[:run.rank]), []
-    for mb in micro:  # this rank's tokens, back into each micro-batch's (b, C) layout
-        active = mb.mask != 0
-        count = int(active.sum())
-        out.append({name: torch.zeros_like(active).masked_scatter(
-            active, flags[start:start + count].to(active.device)) for name, flags in whole.items()})
-        start += count
-    return out
-
-
-CHOICE_METRICS = {"high_entropy": "high_entropy_frac", "covariance": "cov_chosen_frac"}  # the log's names
-
-
-def token_choices(args):
-    """The choices of tokens this run makes over each mini-batch: "high_entropy" (the 80/20 rule),
-    "covariance" (Clip-Cov, KL-Cov); none by default."""
-    return ["high_entropy"] * (args.high_entropy_fraction < 1) + \
-        ["covariance"] * (args.objective in losses.CHOOSING)
-
-
 @torch.no_grad()
-def token_figures(run, mb):
-    """One micro-batch's loss tokens under the current weights, flat (n,) on the CPU: entropy,
-    log-prob, advantage, and whether the clip already cuts it (Clip-Cov leaves those out)."""
-    args, active = run.args, (mb.mask != 0).cpu()
+def figures_of(run, mb):
+    """A micro-batch's (b, C) log-probs and entropies under the current weights, on the CPU: what
+    the token choices read (token_choice.chosen_tokens)."""
     with launch.autocast(run):
-        logp, entropy = completion_logprobs(run.policy, mb.ids, mb.attn, mb.start, mb.replay,
-                                            args.temperature, with_entropy=True)  # (b, C) each
-    ratio = torch.exp(logp - torch.where(mb.has_old[:, None].cpu(), mb.old.cpu(), logp))  # (b, C)
-    advantages = (mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
-                  ).float().cpu().expand_as(logp)                                    # (b, C)
-    clipped = ((advantages > 0) & (ratio > 1 + args.eps_high)) | (
-        (advantages < 0) & (ratio < 1 - args.eps_low))
-    return {"entropy": entropy[active], "logp": logp[active], "advantage": advantages[active],
-            "clipped": clipped[active]}
-
-
-def token_weights(run, mb, old, chosen):
-    """Each loss token's weight (no gradient), or None for all ones: the rollout correction
-    (--tis-cap) times the 80/20 rule's choice. -> (weights (b, C) or None, named sums)"""
-    args, active, weights, sums = run.args, mb.mask != 0, None, {}
-    if args.tis_cap:
-        weights, cut = losses.rollout_weights(old, mb.sampler, mb.mask, cap=args.tis_cap,
-                                              floor=args.tis_floor, level=args.tis_level,
-                                              mode=args.tis_mode)                # (b, C)
-        sums.update(tis_weight=float((weights * active).sum()), tis_cut_frac=float(cut.sum()))
-    if "high_entropy" in chosen:
-        kept = chosen["high_entropy"].to(old.dtype)
-        weights = kept if weights is None else weights * kept
-        sums["high_entropy_frac"] = float(chosen["high_entropy"].sum())
-    return weights, sums
+        return completion_logprobs(run.policy, mb.ids, mb.attn, mb.start, mb.replay,
+                                   run.args.temperature, with_entropy=True)
 
 
 def policy_gradient_loss(run, mb, divisors, chosen=None):
-    """The objective of eq. 10 on one micro-batch (changes 1 and 3), with the optional entropy
-    bonus, KL / GKL term, rollout correction and chosen tokens. -> (loss, named sums for the log,
-    named maxima)"""
+    """The objective of eq. 10 on one micro-batch (changes 1 and 3), or the --objective's; the
+    terms beyond DAPO (`added_terms`) where a flag asks for them. -> (loss, named sums for the
+    log, named maxima)"""
     args, mask, chosen = run.args, mb.mask, chosen or {}
     routing = Routing(mb.replay) if run.policy.config.num_experts else None  # MoE: record, replay
     hidden = run.model(mb.ids, mb.attn, return_hidden=True, routing=routing)  # (b, P+C, H)
@@ -576,26 +497,37 @@ def policy_gradient_loss(run, mb, divisors, chosen=None):
                                    temperature=args.temperature, with_entropy=True,
                                    entropy_grad=args.entropy_coef > 0, hidden=hidden)  # (b, C)
     old = torch.where(mb.has_old[:, None], mb.old, logp.detach())  # (b, C) pi_old
-    weights, weight_sums = token_weights(run, mb, old, chosen)
+    weights, sums = token_choice.token_weights(args, mb, old, chosen) \
+        if args.tis_cap or chosen else (None, {})  # rollout correction, the 80/20 rule
     settings = config.objective_settings(args)
-    if args.objective in losses.CHOOSING:
+    if args.objective in objectives.CHOOSING:
         settings["chosen"] = chosen.get("covariance")
-    objective = losses.OBJECTIVES[args.objective]  # policy_loss: DAPO's eq. 10; or --objective's
+    objective = objectives.OBJECTIVES[args.objective]  # losses.policy_loss: eq. 10
     loss, stats = objective(logp, old, mb.advantages, mask, agg=args.loss_agg, token_weights=weights,
                             **settings, **divisors)
-    if args.entropy_coef:
-        loss = loss - args.entropy_coef * losses.aggregate(entropy, mask, args.loss_agg, **divisors)
     tokens = float(stats["tokens"])
-    sums = {name: float(stats[name]) * tokens for name in
-            ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "ratio_mean")}
+    sums.update({name: float(stats[name]) * tokens for name in
+                 ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "ratio_mean")})
     fresh = (mask != 0) & mb.fresh[:, None]  # (b, C) the sampler's own tokens, this policy's
     sums.update(loss_tokens=tokens, entropy=float((entropy.detach() * (mask != 0)).sum()),
                 mismatch=float(((old - mb.sampler).abs() * fresh).sum()),
                 mismatch_tokens=float(fresh.sum()))
-    sums.update(weight_sums)
+    if args.entropy_coef or args.kl != "none" or routing is not None or "covariance" in chosen:
+        loss, more = added_terms(run, mb, divisors, loss, (hidden, logp, entropy), routing, chosen)
+        sums.update(more)
+    return loss, sums, {"ratio_max": float(stats["ratio_max"])}
+
+
+def added_terms(run, mb, divisors, loss, forward, routing, chosen):
+    """The terms beyond DAPO's loss: the entropy bonus (--entropy-coef), the MoE router's
+    load-balancing loss (always logged), the KL or GKL term to the reference (--kl).
+    forward: the micro-batch's (hidden, logp, entropy). -> (loss, named sums)"""
+    args, (hidden, logp, entropy), sums = run.args, forward, {}
+    if args.entropy_coef:
+        loss = loss - args.entropy_coef * losses.aggregate(entropy, mb.mask, args.loss_agg, **divisors)
     if "covariance" in chosen:
         sums["cov_chosen_frac"] = float(chosen["covariance"].sum())
-    if routing is not None:  # Switch Transformer's load-balancing loss, always logged
+    if routing is not None:  # Switch Transformer's load-balancing loss
         aux, aux_sums = moe.router_loss(routing, run.policy.config, mb.attn, mb.aux_weight)
         if args.router_aux_coef:
             loss = loss + args.router_aux_coef * mb.aux_weight * aux
@@ -603,83 +535,8 @@ def policy_gradient_loss(run, mb, divisors, chosen=None):
     if args.kl != "none":
         kl_loss, per_token = reference.kl_term(run, mb, divisors, hidden, logp)
         loss = loss + args.kl_coef * kl_loss
-        sums["kl"] = float((per_token.detach() * (mask != 0)).sum())
-    return loss, sums, {"ratio_max": float(stats["ratio_max"])}
-
-
-# ---- 6: metrics ---------------------------------------------------------------------------------
-
-REWARD_TERMS = ("correct", "format", "format_ok", "integer", "xml_count", "overlong", "ppl",
-                "efficiency")  # rewards.math_reward's components, and the efficiency bonus
-
-
-def update_means(args):
-    """The policy-gradient metrics logged as means per loss token."""
-    return ["clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "ratio_mean",
-            "entropy"] + ["kl"] * (args.kl != "none") + ["tis_weight", "tis_cut_frac"] * bool(args.tis_cap) \
-        + [CHOICE_METRICS[name] for name in token_choices(args)]
-
-
-def step_metrics(run, progress, collected, update_sums, update_maxima, seconds):
-    """Step 6: the step's metrics as named sums (and maxima) over all ranks. -> the log row"""
-    args, (kept, sampled, surplus, asked) = run.args, collected
-    done = Rollouts.concat(sampled) if sampled else STAND_IN.select([])
-    lengths = [len(t) for t in done.tokens]  # (N,) per turn
-    firsts = done.episode_starts()           # an episode's outcome, once
-    # Turns followed by another turn of their episode: what they wrote is carried as memory.
-    memories = [lengths[i] for i, turn in enumerate(done.turn or []) if i + 1 < len(lengths)
-                and done.turn[i + 1] > 0]
-    sums = {"samples": len(firsts), "correct": sum(done.correct[i] for i in firsts),
-            "reward": sum(done.rewards[i] for i in firsts), "length": sum(lengths),
-            "turns": len(lengths), "memory_tokens": sum(memories), "memories": len(memories),
-            "truncated": sum(done.truncated), "ranks": 1, "adversarial_prompts": asked,
-            "groups_sampled": sum(b.num_groups for b in sampled), "groups_kept": kept.num_groups,
-            "groups_missing": args.prompts_per_step // run.world - kept.num_groups,
-            "groups_carried": surplus.num_groups if surplus else 0,
-            "update_tokens": sum(len(p) + len(t) for p, t in zip(kept.prompts, kept.tokens)),
-            **{f"reward_{name}": sum(done.reward_parts[i].get(name, 0.0) for i in firsts)
-               for name in REWARD_TERMS}, **update_sums}
-    # The largest context of a turn, prompt and completion: what a turn's budget must hold.
-    context = max((len(p) + len(t) for p, t in zip(done.prompts, done.tokens)), default=0)
-    total = reduce_metrics(sums, {"rounds": len(sampled), "context_max": context, **update_maxima})
-    ranks, n, turns = total["ranks"], max(1.0, total["samples"]), max(1.0, total["turns"])
-    updates = total.get("updates", 0.0) / ranks
-    applied = updates - total.get("skipped_updates", 0.0) / ranks
-    tokens = total.get("loss_tokens", 0.0)  # policy-gradient loss tokens (none under DPO)
-    row = {"step": progress.step + 1, "updates": progress.updates + int(applied),
-           "lr": run.optimizer.param_groups[0]["lr"], "level": getattr(run.source, "level", None),
-           "reward": total["reward"] / n, "accuracy": total["correct"] / n,
-           **{f"reward_{name}": total[f"reward_{name}"] / n for name in REWARD_TERMS},
-           "response_length": total["length"] / turns, "truncated": total["truncated"] / turns,
-           "turns_per_episode": total["turns"] / n,
-           "memory_length": total["memory_tokens"] / max(1.0, total["memories"]),
-           "context_max": int(total["context_max"]),
-           **{name: int(total[name]) for name in ("groups_sampled", "groups_kept", "groups_missing",
-                                                   "groups_carried", "adversarial_prompts")},
-           "groups_kept_per_rank": gather(kept.num_groups, run.world), "rounds": int(total["rounds"]),
-           # None when no update had a policy-gradient loss token (DPO, or every group dropped)
-           **{name: total.get(name, 0.0) / tokens if tokens else None for name in update_means(args)},
-           "ratio_max": total.get("ratio_max"),
-           "peak_memory_mib": total["peak_memory_mib"],  # the largest over ranks
-           "sampler_trainer_mismatch": total.get("mismatch", 0.0) / max(1.0, total.get("mismatch_tokens", 0.0)),
-           "grad_norm": total.get("grad_norm", 0.0) / max(1.0, applied * ranks),
-           "skipped_updates": int(updates - applied), "empty_updates": int(total.get("empty_updates", 0) / ranks),
-           "skipped_updates_total": progress.skipped_updates + int(updates - applied)}
-    if "router_aux_batches" in total:  # an MoE policy
-        row["router_aux_loss"] = total["router_aux_loss"] / max(1.0, total["router_aux_batches"])
-    if args.algo == "dpo":
-        row.update(pairs=int(total.get("pairs", 0)), **{name: total[name] / max(1.0, total["pairs"])
-                                                       for name in total if name.startswith("dpo_")})
-    for stage in ("rollout", "scoring", "update", "refresh"):
-        row[f"seconds_{stage}"] = seconds[stage]
-    row["tokens_per_second_rollout"] = total["length"] / ranks / max(seconds["rollout"], 1e-9)
-    # DPO reads its pairs only, not every kept sample, and scores no old log-probs.
-    trained = total.get("pair_tokens", 0.0) if args.algo == "dpo" else total["update_tokens"]
-    row["tokens_per_second_update"] = trained / ranks / max(seconds["update"], 1e-9)
-    scored = (total.get("updates", 0.0) + total.get("empty_updates", 0.0)) / ranks > 1 or reads_old_logprobs(args)
-    row["tokens_per_second_scoring"] = (total["update_tokens"] / ranks / max(seconds["scoring"], 1e-9)
-                                        if scored and args.algo != "dpo" else None)  # step 3 ran
-    return row
+        sums["kl"] = float((per_token.detach() * (mb.mask != 0)).sum())
+    return loss, sums
 
 
 # ---- the loop -----------------------------------------------------------------------------------

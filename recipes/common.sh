@@ -7,7 +7,7 @@
 #   PYTHON=python  the interpreter                  GPUS=8           torchrun's processes (gpu)
 #   LAUNCH="..."   the training command (default: python train.py, or torchrun on gpu)
 #   JOBS=2         runs at once, each at nproc/JOBS threads (OMP_NUM_THREADS if set), its output
-#                  in DIR.log; the figures in the README were measured with JOBS=2 on 2 cores
+#                  in DIR.log; the figures in MEASUREMENTS.md were measured with JOBS=2 on 2 cores
 #   DRY_RUN=1      print the commands, run nothing
 #   KEEP_CHECKPOINTS=1  keep a finished run's resume checkpoints (by default only final/ and
 #                  the logs stay: the two checkpoints of a 135M run are 3.2 GB, a grid's ~60 GB)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# DAPO's clipped ratio against the objectives since (losses.OBJECTIVES): GSPO's sequence-level
+# DAPO's clipped ratio against the objectives since (objectives.OBJECTIVES): GSPO's sequence-level
 # ratio, CISPO's clipped weight that keeps every token's gradient, GMPO's geometric mean; each
 # with the rest of DAPO unchanged and its paper's clip range and aggregation (dapo.PRESETS).
 # Several updates a step (4 on the CPU, 16 on the GPU): at one the ratio is 1 and each is the

@@ -196,6 +196,7 @@ def test_empty_file(tmp_path):
         assert str(path) in str(error.value) and "empty" in str(error.value)
 
 
+@pytest.mark.slow
 def test_overlong_prompt(tmp_path, chat_tokenizer):
     rows = [GOOD, {"prompt": "What is " + " + ".join(["1"] * 300) + "?", "answer": "300"}]
     path = write_jsonl(tmp_path / "long.jsonl", rows)

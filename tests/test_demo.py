@@ -89,6 +89,7 @@ def test_an_answer_streams_token_by_token_then_its_verdict(models):
         server.shutdown()
 
 
+@pytest.mark.slow
 def test_bad_flags_name_the_flag(tmp_path):
     for argv, said in [(["--model", str(tmp_path / "nowhere"), "--base", str(tmp_path)], "--model"),
                        (["--model", "x", "--port", "70000"], "--port"),
@@ -133,6 +134,7 @@ def page(models):
     proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_a_typed_problem_gets_both_answers_and_a_verdict_in_the_browser(page):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -229,6 +231,7 @@ def test_model_text_is_shown_as_text_never_as_markup():
         server.shutdown()
 
 
+@pytest.mark.slow
 def test_an_address_it_cannot_listen_on_is_one_line(models):
     trained, base = models
     proc = subprocess.run([sys.executable, str(ROOT / "demo.py"), "--model", trained, "--base", base,

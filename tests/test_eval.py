@@ -228,6 +228,7 @@ DATASETS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data_name", DATASETS)
 def test_cli_end_to_end(chat_ckpt, tmp_path, data_name):
     out = tmp_path / "results.jsonl"
@@ -241,6 +242,7 @@ def test_cli_end_to_end(chat_ckpt, tmp_path, data_name):
     assert ("Answer:" in rows[0]["prompt"]) == (template == "dapo")
 
 
+@pytest.mark.slow
 def test_cli_sampled_k_and_default_out(chat_ckpt, tmp_path):
     proc = run_cli("--model", chat_ckpt, "--data", "arithmetic", "--limit", "3", "--k", "4",
                    "--max-new-tokens", "4", "--top-p", "0.7", cwd=tmp_path)
@@ -280,6 +282,7 @@ def test_bad_flags_name_the_flag(argv, flag, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_bad_flag_through_the_real_cli():
     proc = run_cli("--data", "arithmetic", "--k", "3", "--temperature", "0")
     assert proc.returncode == 2

@@ -121,6 +121,7 @@ def test_eval_numeric_flags(flag, value, capsys, tmp_path):
     ("train.py", ["--temperat", "0.5"]),
     ("eval.py", ["--temperature", "inf"]),
 ])
+@pytest.mark.slow
 def test_a_bad_flag_is_one_clear_line_before_any_work(script, argv):
     proc = subprocess.run([sys.executable, str(ROOT / script)] + argv, capture_output=True,
                           text=True, cwd=ROOT, timeout=120)

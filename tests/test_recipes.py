@@ -54,6 +54,7 @@ def test_a_few_arms_of_a_recipe(tmp_path):
         assert bad.returncode == 2 and "JOBS must be a whole number" in bad.stderr, jobs
 
 
+@pytest.mark.slow
 def test_runs_two_at_a_time_each_with_its_log(tmp_path):
     """JOBS=2: two runs at once, each writing DIR.log, then the same table; a failed run is
     named, the recipe exits non-zero and plots nothing."""
@@ -110,13 +111,13 @@ def test_a_recipe_runs_end_to_end_at_a_tiny_size(name, size, tmp_path):
 
 
 @pytest.mark.parametrize("study", ["grpo-vs-dpo", "objectives"])
-def test_the_readme_table_is_what_the_committed_logs_give(study):
+def test_the_measurements_table_is_what_the_committed_logs_give(study):
     """The studies' logs are committed (assets/STUDY-cpu/): the table that `python runs.py`
-    makes of them is the README's, row for row."""
+    makes of them is MEASUREMENTS.md's, row for row."""
     import runs
     run_dirs = sorted((ROOT / "assets" / f"{study}-cpu").glob("*-s?"))
     assert len(run_dirs) == 3 * RECIPES[f"{study}.sh"]
     table = runs.summary_table([runs.load_run(str(d)) for d in run_dirs]).splitlines()
-    readme = (ROOT / "README.md").read_text()
+    measurements = (ROOT / "MEASUREMENTS.md").read_text()
     for row in table:
-        assert row in readme, row
+        assert row in measurements, row

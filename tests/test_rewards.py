@@ -653,6 +653,7 @@ def _timed(fn, *args, **kwargs):
     return time.perf_counter() - t0, out
 
 
+@pytest.mark.slow
 def test_fuzz_hostile_inputs():
     """10,000 seeded random and hostile strings through extract_answer, is_correct, math_reward,
     normalize_answer and answers_equal (two hostile answers the parser reads): nothing raises, results have the right types, and the slowest call is under

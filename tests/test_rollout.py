@@ -109,6 +109,7 @@ def test_greedy_matches_transformers_generate(smollm2, smollm2_dir, bundled_gree
     assert ours[0].finish_reason == "stop"  # "2 + 3" is answered well within 32 tokens
 
 
+@pytest.mark.slow
 def test_greedy_left_padding_does_not_change_a_row(smollm2, bundled_greedy):
     model, tok = smollm2
     prompts, batched = bundled_greedy
@@ -119,6 +120,7 @@ def test_greedy_left_padding_does_not_change_a_row(smollm2, bundled_greedy):
     assert alone[0].logprobs == pytest.approx(batched[shortest].logprobs, abs=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_bundled_logprobs_match_forward(smollm2, temperature, top_p):
     model, tok = smollm2
@@ -135,6 +137,7 @@ def test_bundled_logprobs_match_forward(smollm2, temperature, top_p):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 1.0, 0),
                                                      (0.7, 0.8, 20)])
+@pytest.mark.slow
 def test_logprobs_match_forward(tiny, family, temperature, top_p, top_k):
     """The returned log-probs are the tempered, untruncated ones, whatever top-p/top-k kept."""
     model = tiny(family)
@@ -429,6 +432,7 @@ def test_length_finish(tiny):
                                           (["moe", "--device", "cuda"], "cpu only"),
                                           (["sampling"], "invalid choice"),
                                           (["sampler", "--model", "/no/such/model"], "/no/such/model")])
+@pytest.mark.slow
 def test_bench_flags_are_checked_before_any_work(flags, named):
     import subprocess
     import sys
@@ -445,6 +449,7 @@ def test_bench_flags_are_checked_before_any_work(flags, named):
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3", "gemma3_mm", "gemma2", "qwen3_moe",
                                     "mixtral"])
+@pytest.mark.slow
 def test_greedy_matches_transformers_every_family(tiny, tiny_ckpt, family):
     """Prompts of 5-12 tokens + 24 new ones run past the window of 16. Ours runs them in one
     left-padded batch; transformers each alone (its sliding window counts padding slots, so a

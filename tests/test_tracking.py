@@ -100,6 +100,7 @@ def test_both_backends_hold_every_step_and_evaluation_under_metrics_jsonl_names(
         assert history[evaluation["step"]]["eval/pass@1"] == pytest.approx(evaluation["pass@1"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["mlflow", "", "tensorboard,mlflow"])
 def test_report_to_is_checked_by_name(value):
     said = "use none, or one or more of tensorboard, wandb separated by commas"

@@ -141,6 +141,7 @@ def rollouts(**fields):
     return train.Rollouts(**{**batch, **fields})
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_everything(tiny, tmp_path):
     model_dir, data_file = tiny
     out = tmp_path / "run"
@@ -231,6 +232,7 @@ def test_learning_rate_counts_training_steps():
     assert rates[11] > 0.1 and lr_at(12, args) == pytest.approx(0.1)
 
 
+@pytest.mark.slow
 def test_schedule_and_steps_in_a_run(tiny, tmp_path):
     model_dir, data_file = tiny
     out = tmp_path / "run"
@@ -297,6 +299,7 @@ def test_resume_after_sigkill_is_bit_identical(tiny, tmp_path, variant):
     assert_same_run(straight, killed)
 
 
+@pytest.mark.slow
 def test_checkpoints_by_time_keep_the_one_before(tiny, tmp_path):
     """By default a checkpoint every few minutes and one at the end (not one per step: the
     default run wrote 73 GB); the one before the newest is kept as a fallback."""
@@ -496,6 +499,7 @@ def weights_from(model_dir):
     ({"prompt": "   ", "answer": "2", "id": "x"}, "prompt"),                # empty prompt
     ({"prompt": " ".join(["What"] * 200), "answer": "2", "id": "x"}, "prompt"),  # overlong
 ])
+@pytest.mark.slow
 def test_bad_data_fails_before_training(tiny, tmp_path, row, field):
     model_dir, _ = tiny
     bad = digit_data(tmp_path / "bad.jsonl", n=5, extra=row)
@@ -770,6 +774,7 @@ def test_reinforce_pp_advantages_hold_the_kl_to_the_reference(tiny, tmp_path):
     assert sums["updates"] == 1 and sums["skipped_updates"] == 0
 
 
+@pytest.mark.slow
 def test_reinforce_pp_preset_runs(tiny, tmp_path):
     """Two steps of the reinforce_pp preset: a frozen reference made, pi_old scored at one update
     a step, the samples' advantages logged as their tokens' mean."""
@@ -785,6 +790,7 @@ def test_reinforce_pp_preset_runs(tiny, tmp_path):
     assert all(isinstance(s["advantage"], float) for s in samples)
 
 
+@pytest.mark.slow
 def test_reward_flags_reach_the_reward(tiny, tmp_path):
     """--format-reward (including the XML recipe), --overlong-penalty and --ppl-penalty all
     reach rewards.math_reward (the format terms used to be always 0)."""
@@ -807,6 +813,7 @@ def test_reward_flags_reach_the_reward(tiny, tmp_path):
     assert "reward_xml_count" in metrics(out)[0]
 
 
+@pytest.mark.slow
 def test_bf16_path_runs(tiny, tmp_path):
     """--dtype bfloat16 (the GPU default): rollouts from a bf16 copy of the policy, updates under
     autocast with fp32 master weights, GKL, TIS and old log-probs included. The sampler's bf16
@@ -828,11 +835,11 @@ def test_bf16_path_runs(tiny, tmp_path):
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_chunked_gkl_term_equals_gkl_loss_on_whole_logits(tiny, tmp_path, agg):
     """reference.kl_term makes GKL's logits a few positions at a time from the body's output it is
-    handed (recomputed in backward); loss and gradient equal losses.gkl_loss on whole logits."""
+    handed (recomputed in backward); loss and gradient equal objectives.gkl_loss on whole logits."""
     import types
 
     import data
-    import losses
+    import objectives
     import reference
     run = in_process_run(tmp_path, tiny, "--kl", "gkl", "--kl-coef", "1.0", "--loss-agg", agg,
                          "--gkl-beta", "2.0", "--gkl-gamma", "0.5", "--gkl-temperature", "1.5",
@@ -853,8 +860,8 @@ def test_chunked_gkl_term_equals_gkl_loss_on_whole_logits(tiny, tmp_path, agg):
     logits = model(ids, attn)[:, start - 1:start - 1 + C]
     with torch.no_grad():
         ref_logits = ref(ids, attn)[:, start - 1:start - 1 + C]
-    want, _ = losses.gkl_loss(logits, ref_logits, mask, alpha=1.0, beta=2.0, gamma=0.5,
-                              temperature=1.5, weight_temperature=2.0, agg=agg, **div)
+    want, _ = objectives.gkl_loss(logits, ref_logits, mask, alpha=1.0, beta=2.0, gamma=0.5,
+                                  temperature=1.5, weight_temperature=2.0, agg=agg, **div)
     want_grads = torch.autograd.grad(want, list(model.parameters()))
     assert loss.item() > 0 and torch.allclose(loss, want, atol=1e-6, rtol=1e-5)
     for g, w in zip(grads, want_grads):
@@ -886,6 +893,7 @@ def test_every_variant_runs_end_to_end(tiny, tmp_path, preset):
         assert all(r["entropy"] is None or r["entropy"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_heldout_avg_at_k_beside_greedy(tiny, tmp_path):
     """--eval-samples K: avg@K at --eval-temperature / --eval-top-p beside the greedy pass@1, as
     DAPO reports avg@32 at temperature 1 and top-p 0.7."""
@@ -897,6 +905,7 @@ def test_heldout_avg_at_k_beside_greedy(tiny, tmp_path):
     assert [e["k"] for e in evals] == [3, 3] and all(0 <= e["avg@k"] <= 1 for e in evals)
 
 
+@pytest.mark.slow
 def test_resume_before_the_first_checkpoint_starts_over(tiny, tmp_path):
     """A run killed before its first checkpoint: --resume starts it over, and its logs hold each
     step once (the step-0 held-out evaluation is not written twice)."""
@@ -935,6 +944,7 @@ def test_a_resume_that_changes_the_model_is_refused_by_name(tmp_path, capsys):
     assert args.steps == 5 and args.lora_rank == 4
 
 
+@pytest.mark.slow
 def test_resume_of_a_missing_run_is_a_clear_error(tmp_path):
     proc = run_train(["--resume", str(tmp_path / "nope")], check=False)
     assert proc.returncode != 0 and "--resume" in proc.stderr and "Traceback" not in proc.stderr
@@ -994,6 +1004,7 @@ def test_damaged_checkpoint_resumes_from_the_one_before(tiny, tmp_path, damage):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_damaged_config_is_a_clear_error(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -1050,6 +1061,7 @@ def test_lock_and_unreadable_log_lines(tmp_path, capsys):
     assert "2 unreadable line(s)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_flags_it_was_given(tiny, tmp_path, capsys):
     """`--resume R --steps N` is written back to config.json (a later plain --resume used to
     fall back to the first run's --steps and write final/ early); --preset with --resume and a
@@ -1073,6 +1085,7 @@ def test_resume_keeps_the_flags_it_was_given(tiny, tmp_path, capsys):
         (out / "config.json").write_text(json.dumps(saved))
 
 
+@pytest.mark.slow
 def test_a_bad_out_or_an_inert_flag_fails_before_any_work(tiny, tmp_path, capsys):
     import config
     model_dir, data_file = tiny
@@ -1211,6 +1224,7 @@ def test_two_steps_on_each_family(tiny, tmp_path, family):
     AutoModelForCausalLM.from_pretrained(tmp_path / "final")
 
 
+@pytest.mark.slow
 def test_two_steps_of_an_moe_with_lora_router_loss_and_replay(tiny, tmp_path):
     """train.py end to end on Qwen3-MoE: LoRA on attention and experts, the router loss logged,
     and with routing replay (two updates a step, so step 3 recomputes) the trainer's log-probs
@@ -1242,10 +1256,11 @@ def test_moe_flags_that_would_do_nothing_fail_before_training(tiny, tmp_path, ca
 
 
 def test_replayed_routing_lines_up_with_the_packed_batch(tiny, tmp_path):
-    """replay_experts places each completion's recorded experts where data.pack puts its
+    """moe.replay_rows places each completion's recorded experts where data.pack puts its
     tokens: with unchanged weights, a free forward over the packed batch routes exactly as
     replayed."""
     import data
+    import moe
     import train
     from moe import Routing
     model_dir = family_checkpoint(tmp_path / "model", "qwen3_moe")
@@ -1254,7 +1269,8 @@ def test_replayed_routing_lines_up_with_the_packed_batch(tiny, tmp_path):
     batch = train.sample_and_reward(run, records, [2, 1, 2], seeds=[1, 2, 3])
     rows = list(range(len(batch.tokens)))
     ids, attn, mask, start = data.pack(batch.prompts, batch.tokens, run.args.device)
-    replay = train.replay_experts(run, batch, rows, mask.shape[1])  # (b, P+C, L, k)
+    replay = moe.replay_rows(batch.routing, batch.prompts, batch.tokens, rows, mask.shape[1],
+                             run.policy.config, run.args.device)  # (b, P+C, L, k)
     free = Routing()
     with torch.no_grad():
         run.policy(ids, attn, routing=free)
@@ -1275,6 +1291,7 @@ def test_each_objective_acts_in_a_run(tiny, tmp_path, preset):
     finite updates, and the objective's own figure moving where it has one (GSPO's narrow
     sequence clip, CISPO's cut weights, the tokens the 80/20 rule and Clip-Cov / KL-Cov choose)."""
     import losses
+    import objectives
     model_dir, _ = tiny
     data_file = learnable_data(tmp_path / "learnable.jsonl")
     out = tmp_path / preset
@@ -1288,8 +1305,8 @@ def test_each_objective_acts_in_a_run(tiny, tmp_path, preset):
         assert saved["high_entropy_fraction"] == 0.2
         assert all(0.2 <= r["high_entropy_frac"] < 0.3 for r in rows)
         return
-    assert saved["objective"] == preset and losses.OBJECTIVES[preset] is not losses.policy_loss
-    if preset in losses.CHOOSING:  # 2e-4 / 2e-3 of a mini-batch's tokens: at least one
+    assert saved["objective"] == preset and objectives.OBJECTIVES[preset] is not losses.policy_loss
+    if preset in objectives.CHOOSING:  # 2e-4 / 2e-3 of a mini-batch's tokens: at least one
         assert all(0 < r["cov_chosen_frac"] < 0.05 for r in rows)
     assert all(r["skipped_updates"] == 0 and math.isfinite(r["grad_norm"]) for r in rows)
     assert max(r["ratio_max"] or 0.0 for r in rows) > 1.0  # later updates see a moved policy
@@ -1318,6 +1335,7 @@ def test_objective_flags_are_checked(capsys):
         assert named in capsys.readouterr().err, argv
 
 
+@pytest.mark.slow
 def test_sampler_and_trainer_agree_below_temperature_one(tiny, tmp_path):
     """The CPU default samples at 0.8: at a temperature other than 1 the trainer's log-probs (of
     the logits divided by it) must still be the sampler's, on the fp32 path (BASE pins fp32)."""
@@ -1333,7 +1351,7 @@ def test_dpo_reads_untempered_log_probs(tiny, tmp_path):
     """DPO's implicit reward is beta * log(pi / pi_ref) of the policies themselves: the sampling
     temperature (0.5 here) must not divide the logits, or it changes the effective beta."""
     import data
-    import losses
+    import objectives
     import reference
     from model import token_logprobs
     run = in_process_run(tmp_path, tiny, "--preset", "dpo", "--temperature", "0.5")
@@ -1348,7 +1366,7 @@ def test_dpo_reads_untempered_log_probs(tiny, tmp_path):
         seq = (token_logprobs(run.policy, packed.ids, packed.attn, start=packed.start) * packed.mask).sum(-1)
         ref = (token_logprobs(run.reference, packed.ids, packed.attn, start=packed.start)
                * packed.mask).sum(-1)
-    want, _ = losses.dpo_loss(seq[:1], seq[1:], ref[:1], ref[1:], 0.1, num_pairs=1.0)
+    want, _ = objectives.dpo_loss(seq[:1], seq[1:], ref[:1], ref[1:], 0.1, num_pairs=1.0)
     assert loss.item() == pytest.approx(want.item(), abs=1e-6)
 
 
@@ -1375,7 +1393,9 @@ def test_every_turn_earns_its_perplexity_penalty(tiny, tmp_path, monkeypatch):
     turns = [episodes.Turn([2, 3], Completion(0, [5, 6], [-3.0, -3.0], "stop"), "Memory: 1"),  # nll 3
              episodes.Turn([2, 4], Completion(0, [7, 8, 9, 10], [-1.0] * 4, "length"), "Answer: 7")]
     monkeypatch.setattr(episodes, "play", lambda *a, **k: [turns])
-    batch = train.sample_and_reward(run, [{"id": "q", "prompt": "x", "answer": "7"}], [1], [0])
+    batch = train.Rollouts(**episodes.play_and_reward(
+        run.sampler, run.tokenizer, [{"id": "q", "prompt": "x", "answer": "7"}], [1], [0], run.args,
+        run.stop_ids))
     parts = batch.reward_parts[0]
     assert parts["ppl"] == pytest.approx(-1.0 + -0.5)         # turn 1: beyond the window; turn 2: half
     assert parts["overlong"] == pytest.approx(0.0 + -1.0)      # 2 of 4 tokens, then the whole budget
@@ -1505,6 +1525,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_one_before_stays(tiny, 
     assert runs.load_checkpoint(str(out))["progress"]["step"] == 1
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_a_log_line_is_one_line_and_resume_holds_each_step_once(tiny, tmp_path,
                                                                                 monkeypatch):
     """The disk fills while step 3's metrics line is written (half of it got out): one line
@@ -1539,6 +1560,7 @@ def test_a_full_disk_at_a_log_line_is_one_line_and_resume_holds_each_step_once(t
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_final_is_one_line_and_resume_writes_it(tiny, tmp_path, monkeypatch):
     import errno
     import gc

@@ -1,0 +1,91 @@
+"""Which loss tokens carry a gradient, and with what weight, beyond DAPO's mask: the 80/20 rule
+(arXiv 2506.01939: only the mini-batch's highest-entropy tokens), Clip-Cov and KL-Cov's choice by
+Cov(log pi, A) (arXiv 2505.22617), and the rollout corrections' weights (truncated or masked
+importance sampling, per token or per sequence: losses.rollout_weights).
+
+The choices are made over every loss token of the whole mini-batch on all ranks, as the papers'
+batch statistics are (TRL and verl choose within each micro-batch, so their choice changes with
+the split): a forward without gradient gives each token's entropy and log-prob, the ranks gather
+them in one order, and each micro-batch gets its part. Tokens left out keep their place in the
+divisors, as in the papers' equations. train.update calls `chosen_tokens` before a mini-batch's
+first backward, and train.policy_gradient_loss `token_weights`, only when one of them is on.
+"""
+
+import random
+
+import torch
+
+import losses
+import objectives
+from distributed import gather
+
+# The log's name of each choice's share of loss tokens.
+CHOICE_METRICS = {"high_entropy": "high_entropy_frac", "covariance": "cov_chosen_frac"}
+
+
+def token_choices(args):
+    """The choices of tokens this run makes over each mini-batch: "high_entropy" (the 80/20 rule),
+    "covariance" (Clip-Cov, KL-Cov); none by default."""
+    return ["high_entropy"] * (args.high_entropy_fraction < 1) + \
+        ["covariance"] * (args.objective in objectives.CHOOSING)
+
+
+def chosen_tokens(run, micro, seed, logprobs_of):
+    """The tokens the 80/20 rule (--high-entropy-fraction) and Clip-Cov / KL-Cov choose among every
+    loss token of the mini-batch on all ranks: each token's figures from a forward without
+    gradient (the weights the update's forwards see), gathered in one order over ranks (a rank's
+    after those of the ranks before it), the choice (Clip-Cov's draw seeded by `seed`, the same on
+    every rank), and each micro-batch's part. `logprobs_of(mb)`: a micro-batch's (b, C) log-probs
+    and entropies under the current weights, on the CPU. -> per micro-batch {name: (b, C) bool}"""
+    args, names = run.args, token_choices(run.args)
+    mine = [token_figures(args, mb, *logprobs_of(mb)) for mb in micro]
+    ranks = gather({key: torch.cat([f[key] for f in mine]) for key in mine[0]}, run.world)
+    every = {key: torch.cat([r[key] for r in ranks]) for key in ranks[0]}  # (N,) each
+    whole = {}
+    if "high_entropy" in names:
+        whole["high_entropy"] = objectives.high_entropy_tokens(every["entropy"], args.high_entropy_fraction)
+    if "covariance" in names:
+        covariance = objectives.token_covariance(every["logp"], every["advantage"])  # eq. 11
+        whole["covariance"] = objectives.kl_cov_tokens(covariance, fraction=args.cov_fraction) \
+            if args.objective == "kl-cov" else objectives.clip_cov_tokens(
+                covariance, every["clipped"], fraction=args.cov_fraction, low=args.clip_cov_low,
+                high=args.clip_cov_high, generator=torch.Generator().manual_seed(
+                    random.Random(seed).getrandbits(62)))
+    start, out = sum(len(r["entropy"]) for r in ranks[:run.rank]), []
+    for mb in micro:  # this rank's tokens, back into each micro-batch's (b, C) layout
+        active = mb.mask != 0
+        count = int(active.sum())
+        out.append({name: torch.zeros_like(active).masked_scatter(
+            active, flags[start:start + count].to(active.device)) for name, flags in whole.items()})
+        start += count
+    return out
+
+
+def token_figures(args, mb, logp, entropy):
+    """One micro-batch's loss tokens flat (n,) on the CPU, from its log-probs and entropies (b, C)
+    under the current weights: entropy, log-prob, advantage, and whether the clip already cuts
+    it (Clip-Cov leaves those out)."""
+    active = (mb.mask != 0).cpu()
+    ratio = torch.exp(logp - torch.where(mb.has_old[:, None].cpu(), mb.old.cpu(), logp))  # (b, C)
+    advantages = (mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
+                  ).float().cpu().expand_as(logp)                                    # (b, C)
+    clipped = ((advantages > 0) & (ratio > 1 + args.eps_high)) | (
+        (advantages < 0) & (ratio < 1 - args.eps_low))
+    return {"entropy": entropy[active], "logp": logp[active], "advantage": advantages[active],
+            "clipped": clipped[active]}
+
+
+def token_weights(args, mb, old, chosen):
+    """Each loss token's weight (no gradient), or None for all ones: the rollout correction
+    (--tis-cap) times the 80/20 rule's choice. -> (weights (b, C) or None, named sums)"""
+    active, weights, sums = mb.mask != 0, None, {}
+    if args.tis_cap:
+        weights, cut = losses.rollout_weights(old, mb.sampler, mb.mask, cap=args.tis_cap,
+                                              floor=args.tis_floor, level=args.tis_level,
+                                              mode=args.tis_mode)                # (b, C)
+        sums.update(tis_weight=float((weights * active).sum()), tis_cut_frac=float(cut.sum()))
+    if "high_entropy" in chosen:
+        kept = chosen["high_entropy"].to(old.dtype)
+        weights = kept if weights is None else weights * kept
+        sums["high_entropy_frac"] = float(chosen["high_entropy"].sum())
+    return weights, sums
