@@ -22,8 +22,8 @@ import torch
 
 from checkpoints import (_read_safetensors, converted_dir, cpu_has_bf16, empty_model, load_model,
                          load_state_dict_strict, read_config)
-from model import (Transformer, compile_blocks, keep_freed_memory, sampling_products,
-                   token_logprobs)
+from model import Transformer, token_logprobs
+from speed import compile_blocks, keep_freed_memory, pack_linears, sampling_products
 from rollout import generate
 
 
@@ -36,7 +36,7 @@ def sync(device):
 
 def matmul_bound_seconds(model: Transformer, rows: int, repeats=5, sampler=True) -> float:
     """Time of the matrix products alone in one decode step at `rows` rows, measured here on the
-    sampler's kernels (model.sampling_products: on a CPU, oneDNN's with packed weights), the
+    sampler's kernels (speed.sampling_products: on a CPU, oneDNN's with packed weights), the
     fastest at hand; sampler=False: on F.linear's, which transformers calls."""
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     xs = {layer.in_features: torch.randn(rows, layer.in_features, dtype=model.dtype,
@@ -126,7 +126,7 @@ def bench_sampler(args):
         print("bfloat16 skipped: this CPU has no native bf16 matrix instructions (AVX-512 BF16 or "
               "AMX), so bf16 runs slower than fp32 here; force it with --dtypes float32,bfloat16")
     for dtype in [getattr(torch, d) for d in dtypes]:
-        ours, _ = load_model(args.model, dtype=dtype, device=device)
+        ours = pack_linears(load_model(args.model, dtype=dtype, device=device)[0])  # as train.py's
         hf = AutoModelForCausalLM.from_pretrained(args.model or converted_dir(),
                                                   dtype=dtype).to(device).eval()
         hf.generation_config.pad_token_id = tokenizer.pad_token_id or 0

@@ -27,7 +27,7 @@ import checkpoints
 import data
 import rollout
 import verify
-from model import keep_freed_memory
+from speed import keep_freed_memory, pack_linears
 
 MAX_QUESTION_CHARS = 2000   # what the page takes in one problem
 MAX_ANSWER_CHARS = 200      # a reference answer
@@ -279,7 +279,8 @@ def load_answerer(parser, flag, path, dtype, template):
         model, tokenizer = checkpoints.load_model(path, dtype=dtype, device="cpu")
     except (OSError, ValueError) as error:
         parser.error(f"argument {flag}: {error}")
-    return Answerer(path or "bundled SmolLM2-135M-Instruct", model.eval(), tokenizer, template)
+    return Answerer(path or "bundled SmolLM2-135M-Instruct", pack_linears(model.eval()), tokenizer,
+                    template)
 
 
 def main(argv=None):

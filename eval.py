@@ -58,7 +58,7 @@ import data
 import episodes
 import rollout
 from evaluation import DEFAULT_ROWS, evaluate
-from model import keep_freed_memory
+from speed import keep_freed_memory, pack_linears
 
 BUNDLED_NAME = "bundled:SmolLM2-135M-Instruct"
 
@@ -265,14 +265,13 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"argument --device: {args.device}: CUDA is not available on this machine")
     dtype = resolve_dtype(args.dtype, device)
-
     records = load_eval_records(parser, args)  # first: a bad name or file fails in a second
-
     load_start = time.perf_counter()
     try:
         model, tokenizer = checkpoints.load_model(args.model, dtype=dtype, device=device)
     except (OSError, ValueError) as error:
         parser.error(f"argument --model: {error}")
+    pack_linears(model)  # the sampler's products on packed weights, where faster (speed.py)
     load_seconds = time.perf_counter() - load_start
     if max_new_tokens >= model.config.max_seq_len:
         parser.error(f"argument --max-new-tokens: {max_new_tokens} leaves no room for a prompt in "

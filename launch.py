@@ -37,7 +37,7 @@ import runs
 import sharding
 import tracking
 from checkpoints import cpu_has_bf16, load_model, save_model
-from model import compile_blocks, keep_freed_memory
+from speed import compile_blocks, keep_freed_memory, pack_linears
 from distributed import gather, setup_distributed
 from lora import add_lora
 from rollout import line_break_ids, stop_token_ids
@@ -140,6 +140,7 @@ def setup(args):
         policy, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
     except (OSError, ValueError) as e:
         sys.exit(f"train.py: --model: {e}")
+    pack_linears(policy)  # the sampler's products on packed weights, where faster (speed.py)
     refuse_mismatches(args, policy)
     policy.train()
     policy.gradient_checkpointing = args.activation_checkpointing

@@ -24,24 +24,18 @@ left-padded, each row's positions counting only its real tokens) and `Transforme
 one-token step; `token_logprobs` (log-probs and entropies of given tokens in chunks of the
 sequence, recomputed in backward: no (B, T, V) float32 tensor is held).
 Beside it: moe.py (the experts), lora.py, checkpoints.py (`load_model`, `save_model`),
+speed.py (CPU speed-ups applied from outside: packed sampling products, compiled blocks),
 bench.py (speed against transformers).
 
     python -m pytest tests/test_model.py     # parity with transformers, family by family
 """
 
-import contextlib
-import ctypes
-import functools
 import math
-import os
-import sys
-import threading
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.checkpoint import checkpoint
 
 from moe import MoE, Routing
@@ -86,134 +80,6 @@ class ModelConfig:
 
 
 # ----------------------------------------------------------------------------- building blocks
-
-_ONEDNN_DTYPES = frozenset()  # set by sampling_products while a sampler runs (one for the process)
-
-
-class Linear(nn.Linear):
-    """nn.Linear, whose products on a CPU, inside `sampling_products` and without gradients, go
-    through oneDNN with the weight packed once into its kernels' blocked layout. In bf16 that is
-    the library F.linear calls, minus the reordering of the weight at every call; in fp32 F.linear
-    calls MKL, slower than packed oneDNN on AMD processors, with AVX2 or AVX-512 (figures: README,
-    Two kinds of CPU). Gradients stay with F.linear (oneDNN's op has no backward)."""
-
-    def forward(self, x):
-        if x.dtype in _ONEDNN_DTYPES and x.dtype == self.weight.dtype and x.device.type == "cpu" \
-                and not torch.is_grad_enabled():
-            if torch.compiler.is_compiling():  # one opaque op: the packed copy stays out of graphs
-                return packed_linear(x, self.weight, self.bias)
-            return _packed_linear(x, self.weight, self.bias)  # (not through the dispatcher)
-        return F.linear(x, self.weight, self.bias)
-
-
-# weight -> (what it was when packed, the packed copy). Keyed by identity and held weakly: a
-# model's packed copies go with it. A weight written in place (the sampler's refresh, a load) is
-# packed again at its next use, as is one given new storage (.to(), .data =), and every
-# parameter of an optimizer that has stepped (a fused AdamW step leaves version counters as they
-# were).
-_PACKED = torch.utils.weak.WeakIdKeyDictionary()
-
-
-def packed(weight):
-    """weight (out, in) -> its oneDNN-packed copy (an opaque tensor), made once per state."""
-    state = (weight._version, weight.data_ptr(), weight.dtype)
-    packed_state, copy = _PACKED.get(weight, (None, None))
-    if packed_state != state:
-        copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)  # tuned for 64 rows
-        _PACKED[weight] = (state, copy)
-    return copy
-
-
-def _forget_stepped(optimizer, args, kwargs):
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            _PACKED.pop(parameter, None)
-
-
-register_optimizer_step_post_hook(_forget_stepped)  # after any optimizer's step
-
-
-def _packed_linear(x, weight, bias):
-    """x (..., in) -> x W^T + b (..., out), on W's packed copy."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed(weight), bias, "none", [], "")
-
-
-# Linear's packed product as an operator of its own, for a compiled decode step: Inductor calls
-# it as it is. (Registered plainly: torch.library.custom_op's wrapper costs ~6 us more a call.
-# Eager calls _packed_linear itself, ~10 us less than through the dispatcher.)
-_LIBRARY = torch.library.Library("dapo", "DEF")
-_LIBRARY.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_LIBRARY.impl("packed_linear", _packed_linear, "CPU")
-packed_linear = torch.ops.dapo.packed_linear
-
-
-@torch.library.register_fake("dapo::packed_linear")
-def _(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-@functools.cache
-def onednn_dtypes() -> frozenset:
-    """The dtypes whose sampling products run on packed oneDNN weights: bf16 wherever oneDNN runs
-    it (AVX-512, AMX); fp32 on AMD CPUs with AVX2 or AVX-512, where MKL's fp32 product is slower.
-    DAPO_CPU_ONEDNN=0 turns both off, 1 forces fp32's (read once per process)."""
-    if os.environ.get("DAPO_CPU_ONEDNN") == "0" or not torch.backends.mkldnn.is_available():
-        return frozenset()
-    amd = cpu_feature("DAPO_CPU_ONEDNN", lambda info: "AuthenticAMD" in info and "avx2" in info)
-    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return frozenset(dtype for dtype, on in ((torch.float32, amd), (torch.bfloat16, bf16)) if on)
-
-
-def cpu_feature(override: str, present) -> bool:
-    """present(the text of /proc/cpuinfo), unless the environment variable `override` is 1 or 0;
-    False where there is no /proc/cpuinfo (off Linux)."""
-    forced = os.environ.get(override)
-    if forced in ("0", "1"):
-        return forced == "1"
-    try:
-        with open("/proc/cpuinfo") as f:
-            return present(f.read())
-    except OSError:
-        return False
-
-
-_SAMPLERS = 0  # samplers running now, counted under a lock (demo.py samples in two threads)
-_SAMPLERS_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def sampling_products():
-    """Within it (rollout.generate), a CPU's products run on packed oneDNN weights where that is
-    faster (`onednn_dtypes`), until the last sampler running (of any thread) has returned."""
-    global _ONEDNN_DTYPES, _SAMPLERS
-    dtypes = onednn_dtypes()  # (before counting: should it raise, no sampler is left counted)
-    with _SAMPLERS_LOCK:
-        _SAMPLERS += 1
-        _ONEDNN_DTYPES = dtypes
-    try:
-        yield
-    finally:
-        with _SAMPLERS_LOCK:
-            _SAMPLERS -= 1
-            if _SAMPLERS == 0:
-                _ONEDNN_DTYPES = frozenset()
-
-
-def keep_freed_memory():
-    """glibc's malloc hands a freed block over 128 KB back to the system, and the next step's
-    block of that size is faulted in again page by page: a CPU decode step's logits and their
-    sampling temporaries ((64, 49k) each) cost 10-20% of the step so (README, Two kinds of CPU).
-    This process keeps blocks up to 32 MB in its heap after they are freed. An entry point's
-    call (train.py, eval.py, bench.py, demo.py); nothing where the C library has no mallopt."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MB from the heap
-        libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: shrink the heap only past 2 GB free
-    except (OSError, AttributeError):  # a C library without mallopt (musl has one that does nothing)
-        pass
-
 
 class RMSNorm(nn.Module):
     """x / rms(x) * w; Gemma's variant scales by (1 + w) (its weights are stored centred on 0)."""
@@ -269,10 +135,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap
-        self.wq = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wk = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wv = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wo = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.wq = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma) if cfg.qk_norm else None
 
@@ -348,9 +214,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, size: int | None = None):
         super().__init__()
         size = size or cfg.intermediate_size
-        self.w_gate = Linear(cfg.hidden_size, size, bias=False)
-        self.w_up = Linear(cfg.hidden_size, size, bias=False)
-        self.w_down = Linear(size, cfg.hidden_size, bias=False)
+        self.w_gate = nn.Linear(cfg.hidden_size, size, bias=False)
+        self.w_up = nn.Linear(cfg.hidden_size, size, bias=False)
+        self.w_down = nn.Linear(size, cfg.hidden_size, bias=False)
         self.gelu = cfg.gemma
 
     def forward(self, x):
@@ -441,13 +307,13 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=cfg.gemma)
-        self.output = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         if cfg.local_rope_theta is not None:  # Gemma 3's sliding layers rotate at their own base
             self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=True), persistent=False)
         self.gradient_checkpointing = False  # recompute each block in backward (GPU memory)
-        self.compiled_layers = None  # compile_blocks: the blocks through torch.compile
+        self.compiled_layers = None  # speed.compile_blocks: the blocks through torch.compile
 
     def _apply(self, fn, *args, **kwargs):
         # .to(torch.bfloat16) and the like must not round the rotary frequencies (a bf16 angle is
@@ -712,18 +578,12 @@ def token_logprobs(model: Transformer, input_ids, attention_mask=None, *, start=
     return (logp, ent.view(B, T)) if with_entropy else logp
 
 
-# ----------------------------------------------------------------------------- compiling
-
-def compile_blocks(model: Transformer) -> Transformer:
-    """torch.compile each block, the usual way to compile a training forward: one small graph
-    that every block reuses (compile time of one block), under activation checkpointing and
-    sharding alike; shapes dynamic, so new sequence lengths do not recompile. Forwards without a
-    KV cache (training, scoring) take the compiled blocks; prefill and decode keep the eager ones,
-    whose cache writes would make a graph per layer (rollout.py compiles its own decode step).
-    Sets model.compiled_layers: they wrap the same modules, no weight is copied."""
-    if model.config.num_experts:  # the experts' grouping reads counts back to the host
-        raise ValueError("compile_blocks: a Mixture-of-Experts model stays eager")
-    model.compiled_layers = [torch.compile(block, dynamic=True) for block in model.layers]
-    return model
-
-
+def completion_logprobs(model, ids, attn, start, replay, temperature, with_entropy=False):
+    """(b, C) fp32 log-probs of the completions in `ids` (from position `start`) under `model`,
+    on the CPU (and their entropies, with_entropy); an MoE replays the experts in `replay`
+    (b, T, L, k) (the sampler's: --routing-replay), or routes afresh where it is None."""
+    routing = Routing(replay) if model.config.num_experts else None
+    hidden = model(ids, attn, return_hidden=True, routing=routing)
+    out = token_logprobs(model, ids, attn, start=start, hidden=hidden, temperature=temperature,
+                         with_entropy=with_entropy)
+    return tuple(x.float().cpu() for x in out) if with_entropy else out.float().cpu()

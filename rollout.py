@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from model import KVCache, Transformer, sampling_products
+from model import KVCache, Transformer
+from speed import sampling_products
 from moe import Routing
 
 
@@ -211,7 +212,7 @@ def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_
 
 
 @torch.no_grad()
-@sampling_products()  # a CPU's products on packed oneDNN weights (model.Linear)
+@sampling_products()  # a CPU's products on packed oneDNN weights (speed.pack_linears)
 def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, temperature=1.0,
              top_p=1.0, top_k=0, stop_token_ids=(), seed=0, compile=None, compact_fraction=0.25,
              check_every=None, record_routing=False, stream=None):
@@ -222,7 +223,6 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     costs nothing and each look can end the loop sooner). record_routing: on an MoE model, each
     Completion's `.routing` holds the experts every position went to (for routing replay).
     stream: called at each host look with the tokens so far, (B, steps), 0 past a stop (demo.py).
-
     -> list[Completion], prompt-major. The same seed gives the same samples.
     """
     counts, seeds = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p,
@@ -233,8 +233,7 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
 
     # 1. Prefill each prompt once, then give each of its samples a copy of its cache rows.
     cache, logits, row_prompt, routes = prefill(model, prompts, counts, max_new_tokens, record)
-    B, device = len(row_prompt), model.device
-    prompt_len = cache.max_len - max_new_tokens
+    B, device, prompt_len = len(row_prompt), model.device, cache.max_len - max_new_tokens
     keys = sample_keys(seeds, counts).to(device)  # (B,) each row's random stream
     tokens, logp = sample_tokens(logits, step_uniforms(keys, 0), temperature, top_p, top_k)
     tokens = tokens.clone()  # (B,) not a view: a compiled step would recompile for a view's base

@@ -15,9 +15,11 @@ import random
 
 import torch
 
+import launch
 import losses
 import objectives
 from distributed import gather
+from model import completion_logprobs
 
 # The log's name of each choice's share of loss tokens.
 CHOICE_METRICS = {"high_entropy": "high_entropy_frac", "covariance": "cov_chosen_frac"}
@@ -30,15 +32,14 @@ def token_choices(args):
         ["covariance"] * (args.objective in objectives.CHOOSING)
 
 
-def chosen_tokens(run, micro, seed, logprobs_of):
+def chosen_tokens(run, micro, seed):
     """The tokens the 80/20 rule (--high-entropy-fraction) and Clip-Cov / KL-Cov choose among every
     loss token of the mini-batch on all ranks: each token's figures from a forward without
     gradient (the weights the update's forwards see), gathered in one order over ranks (a rank's
     after those of the ranks before it), the choice (Clip-Cov's draw seeded by `seed`, the same on
-    every rank), and each micro-batch's part. `logprobs_of(mb)`: a micro-batch's (b, C) log-probs
-    and entropies under the current weights, on the CPU. -> per micro-batch {name: (b, C) bool}"""
+    every rank), and each micro-batch's part. -> per micro-batch {name: (b, C) bool}"""
     args, names = run.args, token_choices(run.args)
-    mine = [token_figures(args, mb, *logprobs_of(mb)) for mb in micro]
+    mine = [token_figures(args, mb, *current_logprobs(run, mb)) for mb in micro]
     ranks = gather({key: torch.cat([f[key] for f in mine]) for key in mine[0]}, run.world)
     every = {key: torch.cat([r[key] for r in ranks]) for key in ranks[0]}  # (N,) each
     whole = {}
@@ -59,6 +60,15 @@ def chosen_tokens(run, micro, seed, logprobs_of):
             active, flags[start:start + count].to(active.device)) for name, flags in whole.items()})
         start += count
     return out
+
+
+@torch.no_grad()
+def current_logprobs(run, mb):
+    """A micro-batch's (b, C) log-probs and entropies under the weights the update's forwards
+    see, on the CPU."""
+    with launch.autocast(run):
+        return completion_logprobs(run.policy, mb.ids, mb.attn, mb.start, mb.replay,
+                                   run.args.temperature, with_entropy=True)
 
 
 def token_figures(args, mb, logp, entropy):

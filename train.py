@@ -63,7 +63,7 @@ import rewards
 import rollout
 import token_choice
 from distributed import add, all_reduce, gather, reduce_metrics, top
-from model import token_logprobs
+from model import completion_logprobs, token_logprobs
 from moe import Routing
 
 # ---- the batch a step carries -------------------------------------------------------------------
@@ -358,17 +358,6 @@ def scored_logprobs(run, batch, rows, under_reference=False):
     return out
 
 
-def completion_logprobs(model, ids, attn, start, replay, temperature, with_entropy=False):
-    """(b, C) fp32 log-probs of the completions in `ids` under `model`, on the CPU (and their
-    entropies, with_entropy); an MoE replays the sampler's experts (--routing-replay) or routes
-    afresh."""
-    routing = Routing(replay) if model.config.num_experts else None
-    hidden = model(ids, attn, return_hidden=True, routing=routing)
-    out = token_logprobs(model, ids, attn, start=start, hidden=hidden, temperature=temperature,
-                         with_entropy=with_entropy)
-    return tuple(x.float().cpu() for x in out) if with_entropy else out.float().cpu()
-
-
 # ---- 5: the updates -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -413,8 +402,7 @@ def update(run, batch, step=0):
             continue
         chosen = [{}] * len(micro)
         if token_choice.token_choices(args):  # the 80/20 rule, Clip-Cov, KL-Cov
-            chosen = token_choice.chosen_tokens(run, micro, f"{args.seed}:{step}:{index}",
-                                                functools.partial(figures_of, run))
+            chosen = token_choice.chosen_tokens(run, micro, f"{args.seed}:{step}:{index}")
         run.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for k, (mb, divisor, choice) in enumerate(zip(micro, divisors, chosen)):
@@ -475,15 +463,6 @@ def advantages_of(rollouts, rows, width, device):
     if isinstance(values[0], list):
         return data.pad_rows(values, width, device)
     return torch.tensor(values, device=device)
-
-
-@torch.no_grad()
-def figures_of(run, mb):
-    """A micro-batch's (b, C) log-probs and entropies under the current weights, on the CPU: what
-    the token choices read (token_choice.chosen_tokens)."""
-    with launch.autocast(run):
-        return completion_logprobs(run.policy, mb.ids, mb.attn, mb.start, mb.replay,
-                                   run.args.temperature, with_entropy=True)
 
 
 def policy_gradient_loss(run, mb, divisors, chosen=None):

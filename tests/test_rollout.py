@@ -530,13 +530,13 @@ def test_compiled_step_equals_eager(tiny, family, onednn, monkeypatch):
     """The compiled decode step gives the eager one's greedy tokens and, for one seed, its
     samples and log-probs (within float32 rounding), stop tokens and compaction included, and a
     new batch size, prompt length or cache length is no new compile (shapes are dynamic, the
-    cache's read length after its first change). With oneDNN's packed products (model.Linear)
-    the compiled step calls them too, as one opaque op."""
+    cache's read length after its first change). With oneDNN's packed products
+    (speed.pack_linears) the compiled step calls them too, as one opaque op."""
     import torch._dynamo
-    import model as M
+    import speed as S
     monkeypatch.setenv("DAPO_CPU_ONEDNN", onednn)
-    M.onednn_dtypes.cache_clear()
-    model = tiny(family)
+    S.onednn_dtypes.cache_clear()
+    model = S.pack_linears(tiny(family))
     prompts = tiny_prompts(model.config.vocab_size, lengths=(7, 12, 3, 9, 5))
     torch._dynamo.reset()
     for kw in (dict(temperature=0.0), dict(temperature=1.0, seed=3, stop_token_ids=[9, 17, 30]),
@@ -556,7 +556,7 @@ def test_compiled_step_equals_eager(tiny, family, onednn, monkeypatch):
     packed = onednn == "1" and torch.backends.mkldnn.is_available()
     assert ("dapo::packed_linear" in ops) == packed
     monkeypatch.undo()
-    M.onednn_dtypes.cache_clear()
+    S.onednn_dtypes.cache_clear()
 
 
 def test_stream_sees_each_prefix_of_the_result_at_each_check(tiny):
