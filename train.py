@@ -348,8 +348,9 @@ def scored_logprobs(run, batch, rows, under_reference=False):
         part = rows[k * size:(k + 1) * size]
         ids, attn, _, start = data.pack([batch.prompts[i] for i in part] or [[0]],
                                         [batch.tokens[i] for i in part] or [[0]], args.device)
-        replay = moe.replay_rows(batch.routing, batch.prompts, batch.tokens, part, ids.shape[1] - start,
-                                 run.policy.config, args.device) if part and not under_reference else None
+        replay = None if under_reference or not part else moe.replay_rows(
+            batch.routing, batch.prompts, batch.tokens, part, ids.shape[1] - start,
+            run.policy.config, args.device)
         score = functools.partial(completion_logprobs, ids=ids, attn=attn, start=start,
                                   replay=replay, temperature=args.temperature)
         with launch.autocast(run):
