@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from lora import LoRALinear
 from model import MLP, Attention, Transformer
 
 # ----------------------------------------------------------------------------- packed products
@@ -47,14 +48,15 @@ class PackedLinear(nn.Linear):
 
 def pack_linears(model: Transformer) -> Transformer:
     """The projections of every attention and MLP (experts' included) and the head become
-    PackedLinear, in place (the same parameters and state-dict names); the MoE router stays plain
-    nn.Linear, so routing is unchanged. Registers, once per process, what the packed products
-    need (`_register`)."""
+    PackedLinear, in place (the same parameters and state-dict names), a LoRA adapter's base
+    included, before add_lora or after it; the MoE router stays plain nn.Linear, so routing is
+    unchanged. Registers, once per process, what the packed products need (`_register`)."""
     _register()
     for module in model.modules():
         if isinstance(module, (Attention, MLP)):
             for linear in module.children():
-                if type(linear) is nn.Linear:  # (a LoRA or NF4 layer keeps its own class)
+                linear = linear.base if isinstance(linear, LoRALinear) else linear  # its frozen W
+                if type(linear) is nn.Linear:  # (an NF4 base, quantize.py, keeps its own class)
                     linear.__class__ = PackedLinear
     if type(model.output) is nn.Linear:
         model.output.__class__ = PackedLinear

@@ -3,6 +3,7 @@ sampler's log-probs against a fresh forward pass, left padding, seeding, orderin
 with and without compaction, top-k/top-p, the inverse-CDF sampler on hand-made distributions,
 and bad input."""
 
+import copy
 import math
 
 import pytest
@@ -536,7 +537,7 @@ def test_compiled_step_equals_eager(tiny, family, onednn, monkeypatch):
     import speed as S
     monkeypatch.setenv("DAPO_CPU_ONEDNN", onednn)
     S.onednn_dtypes.cache_clear()
-    model = S.pack_linears(tiny(family))
+    model = S.pack_linears(copy.deepcopy(tiny(family)))  # (the fixture's model stays plain)
     prompts = tiny_prompts(model.config.vocab_size, lengths=(7, 12, 3, 9, 5))
     torch._dynamo.reset()
     for kw in (dict(temperature=0.0), dict(temperature=1.0, seed=3, stop_token_ids=[9, 17, 30]),

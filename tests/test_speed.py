@@ -137,17 +137,54 @@ def test_sampling_products_run_on_onednn_with_f_linear_results(loaded, onednn, f
 
 
 def test_sampler_on_onednn_gives_the_same_greedy_tokens(loaded, onednn):
-    """rollout.generate takes oneDNN's products where they are faster, with F.linear's tokens."""
+    """rollout.generate takes oneDNN's products where they are faster, with F.linear's tokens:
+    those of the packed model with oneDNN off, and of a copy never packed (which stays on
+    F.linear inside the sampler too)."""
     from rollout import generate
-    ours = S.pack_linears(copy.deepcopy(loaded("llama")[0]))
+    plain = copy.deepcopy(loaded("llama")[0])
+    ours = S.pack_linears(copy.deepcopy(plain))
+    prompts = [[5, 6, 7], [8, 9]]
     kw = dict(num_samples=1, max_new_tokens=8, temperature=0.0, seed=0, compile=False)
     onednn(False)
-    want = generate(ours, [[5, 6, 7], [8, 9]], **kw)
+    want = generate(ours, prompts, **kw)
     onednn(True)
     with torch.profiler.profile() as profile:
-        got = generate(ours, [[5, 6, 7], [8, 9]], **kw)
+        got = generate(ours, prompts, **kw)
     assert "mkldnn::_linear_pointwise" in {event.key for event in profile.key_averages()}
-    assert [c.tokens for c in got] == [c.tokens for c in want]
+    with torch.profiler.profile() as profile:
+        unpacked = generate(plain, prompts, **kw)
+    assert "mkldnn::_linear_pointwise" not in {event.key for event in profile.key_averages()}
+    assert [c.tokens for c in got] == [c.tokens for c in want] == [c.tokens for c in unpacked]
+
+
+def test_pack_linears_reaches_lora_bases_and_leaves_nf4_bases(loaded, onednn):
+    """On a LoRA model (packed before add_lora, as launch.setup does, or after it) each adapter's
+    frozen base is PackedLinear, the adapter itself not; an NF4 base (quantize.py) keeps its
+    class. The sampler's products give the unpacked model's logits to fp32 rounding."""
+    from lora import LoRALinear, add_lora
+    from quantize import NF4Linear, quantize_lora_bases
+    onednn(True)
+    torch.manual_seed(0)
+    plain = add_lora(copy.deepcopy(loaded("llama")[0]), rank=4, alpha=8.0)
+    for adapter in plain.modules():
+        if isinstance(adapter, LoRALinear):
+            torch.nn.init.normal_(adapter.lora_b, std=0.02)  # (B = 0 would hide the adapters)
+    before = S.pack_linears(add_lora(copy.deepcopy(loaded("llama")[0]), rank=4, alpha=8.0))
+    before.load_state_dict(plain.state_dict())
+    after = S.pack_linears(copy.deepcopy(plain))
+    ids = random_ids(3, 9, plain.config.vocab_size, seed=5)
+    with torch.no_grad():
+        want = plain(ids)
+        for model in (before, after):
+            adapters = [m for m in model.modules() if isinstance(m, LoRALinear)]
+            assert adapters and all(type(m.base) is S.PackedLinear for m in adapters)
+            with S.sampling_products():
+                assert max_diff(model(ids), want) < TOL
+        quantized = S.pack_linears(quantize_lora_bases(copy.deepcopy(plain)))
+        assert all(type(m.base) is NF4Linear for m in quantized.modules()
+                   if isinstance(m, LoRALinear))
+        with S.sampling_products():
+            assert max_diff(quantized(ids), quantize_lora_bases(copy.deepcopy(plain))(ids)) < TOL
 
 
 @pytest.mark.slow
