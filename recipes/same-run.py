@@ -73,6 +73,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=3, help="training steps compared")
     parser.add_argument("--keep", help="write the two runs here (before/, after/), not to a temp dir")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        sys.exit(f"same-run.py: --steps must be >= 1, got {args.steps}")
     if not os.path.exists(os.path.join(args.before, "train.py")):
         sys.exit(f"same-run.py: {args.before}: no train.py there")
     with tempfile.TemporaryDirectory() as scratch:

@@ -121,3 +121,13 @@ def test_the_measurements_table_is_what_the_committed_logs_give(study):
     measurements = (ROOT / "MEASUREMENTS.md").read_text()
     for row in table:
         assert row in measurements, row
+
+
+def test_same_run_refuses_bad_input_in_one_line(tmp_path):
+    """recipes/same-run.py: a checkout without train.py, or --steps below 1, is one clear line and
+    an exit status, before any run starts."""
+    for argv, message in (([str(tmp_path)], "no train.py there"),
+                          ([str(ROOT), "--steps", "0"], "--steps must be >= 1")):
+        proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "same-run.py"), *argv],
+                              capture_output=True, text=True)
+        assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
