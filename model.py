@@ -1,4 +1,4 @@
-"""The policy: a decoder of the Llama, Gemma and Qwen3-MoE families in plain PyTorch, its static
+"""The policy: a decoder of the Llama, Gemma and Qwen3-MoE families in plain PyTorch, its paged
 KV cache and its token log-probs.
 
 One class, its differences flags of one ModelConfig: Llama 2/3, SmolLM2, Mistral (sliding window),
@@ -13,15 +13,15 @@ Gemma 3 (text, or the language model of an image-text checkpoint):
 
     attn: q, k, v projections -> rotary embedding on q, k -> grouped-query attention through
           scaled_dot_product_attention(enable_gqa=True) (the KV heads are never repeated in memory);
-          a CPU decode step's one query row as two plain matrix products instead
+          a decode step's one query row as two plain matrix products instead.
           Sliding-window layers (Mistral, Gemma's local layers) see only the last `window`
-          positions: a per-layer mask, in the full forward and in the KV cache alike.
+          positions: a per-layer mask, in the full forward and over the KV cache alike.
     mlp:  SwiGLU, down(silu(gate(x)) * up(x)); Gemma GeGLU (tanh GELU); or MoE: k of E such MLPs
           per token, tokens grouped by expert.
 
-Also here: `KVCache` (preallocated keys/values the sampler, rollout.py, writes in place; rows
-left-padded, each row's positions counting only its real tokens) and `Transformer.decode`, its
-one-token step; `token_logprobs` (log-probs and entropies of given tokens in chunks of the
+Also here: `PagedKVCache` (keys and values in fixed-size blocks that rows hold through block
+tables) and `Transformer.paged`, the sampler's forward over it (rollout.py's engine keeps the
+blocks and the queue); `token_logprobs` (log-probs and entropies of given tokens in chunks of the
 sequence, recomputed in backward: no (B, T, V) float32 tensor is held).
 Beside it: moe.py (the experts), lora.py, checkpoints.py (`load_model`, `save_model`),
 speed.py (CPU speed-ups applied from outside: packed sampling products, compiled blocks),
@@ -196,9 +196,12 @@ def attend_grouped(q, k, v, mask, scale=None, cap=None):
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     qg = q.reshape(B, Hkv, Hq // Hkv * T, D)  # (B, Hkv, G*T, D): a group's query heads stacked
-    # k q^T, not q k^T: the cache's filled prefix is a strided view, which the matrix product reads
-    # in place as its left operand but copies (3x slower on the CPU) when transposed.
-    scores = (k @ qg.transpose(-1, -2)).transpose(-1, -2)  # (B, Hkv, G*T, S)
+    # The products batch over (B, Hkv), or over (Hkv, B) where the keys are laid out that way
+    # (the paged cache's gather), so that they read keys and values in place, never copied.
+    order = (lambda t: t.transpose(0, 1)) if k.transpose(0, 1).is_contiguous() else (lambda t: t)
+    # k q^T, not q k^T: keys the matrix product reads in place as its left operand, it copies
+    # (3x slower on the CPU) when transposed.
+    scores = order(order(k) @ order(qg).transpose(-1, -2)).transpose(-1, -2)  # (B, Hkv, G*T, S)
     # Scaled and capped in the input's dtype, softmax in float32: transformers' rounding.
     scores = scores.reshape(B, Hkv, Hq // Hkv, T, S) * (scale or D ** -0.5)
     if cap:
@@ -207,7 +210,8 @@ def attend_grouped(q, k, v, mask, scale=None, cap=None):
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
     scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask (B, 1, 1, T, S)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return (probs.view(B, Hkv, -1, S) @ v).view(B, Hq, T, D)  # (B, Hq, T, D)
+    y = order(order(probs.view(B, Hkv, -1, S)) @ order(v))  # (B, Hkv, G*T, D)
+    return y.reshape(B, Hq, T, D)
 
 
 class MLP(nn.Module):
@@ -252,50 +256,42 @@ class Block(nn.Module):
 
 # ----------------------------------------------------------------------------- KV cache
 
-class KVCache:
-    """Preallocated keys and values, (B, Hkv, S, D) per layer, written in place.
+class PagedKVCache:
+    """Keys and values in a pool of fixed-size blocks that every row shares (PagedAttention: Kwon
+    et al. 2023, "Efficient Memory Management for LLM Serving"); a row's block table lists its
+    blocks in order, so position p of a row lives at slot p % block_size of block
+    table[p // block_size]. A row holds only the blocks its length needs, rows stop and free
+    theirs at any time, and rows with one prompt share that prompt's blocks (rollout.py keeps the
+    tables and counts the references).
 
-    All rows share one slot counter `length` (prompts are left-padded to a common length), and
-    `valid` (B, S) marks which slots hold real tokens. `next_pos` (B,) is each row's next rotary
-    position, i.e. the number of real tokens it has, so a padded row sees exactly what it would
-    see unpadded; `pos` (B, S) keeps each slot's position, which sliding-window layers compare
-    against (the cache keeps every slot: a window is a mask, exact whatever the length).
+    Block 0 is scratch: padding tokens write into it and tables are padded with it; attention
+    masks it out. `Transformer.paged` sets `slots` and `tables` for one forward.
     """
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype, device):
-        shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, S)
-        self.pos = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)  # (B, S)
-        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
-        self.length = 0  # slots filled by `Transformer.forward` (a prefill)
-        self.max_len = max_len
-        # `Transformer.decode` (one token per row) writes at `slot`, a tensor (no Python number
-        # changes from step to step but `visible`, which a compiled step takes as a symbol).
-        self.decoding = False
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # (1,)
-        self.visible = max_len  # slots a decode step reads (the sampler: the filled prefix)
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device):
+        # Keys and values of a layer in one tensor, heads first: one gather reads both, and each
+        # head's rows come out contiguous, as attend_grouped multiplies them.
+        shape = (2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # (2, Hkv, N, bs, D)
+        self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.block_size = block_size
+        self.block_bytes = self.kv[0][:, :, 0].numel() * self.kv[0].element_size() * cfg.num_layers
+        self.slots = None  # (b*T,) the flat slot each new token's k, v go to
+        self.tables = None  # (b, nb) each row's blocks, padded with block 0
 
     def write(self, layer, k, v):
-        """Stores k, v (B, Hkv, T, D) at slots [length, length + T) and returns the filled prefix;
-        while decoding, at `slot` (T = 1), returning the first `visible` slots."""
-        if self.decoding:
-            self.k[layer].index_copy_(2, self.slot, k)
-            self.v[layer].index_copy_(2, self.slot, v)
-            return self.k[layer][:, :, :self.visible], self.v[layer][:, :, :self.visible]
-        end = self.length + k.shape[2]
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        """Stores k, v (b, Hkv, T, D) at `slots` and returns each row's keys and values, (b, Hkv,
+        S, D) with S = nb * block_size, position s at index s (a gather through the tables)."""
+        b, H, T, D = k.shape
+        pool = self.kv[layer]
+        new = torch.stack((k, v)).transpose(1, 2).reshape(2, H, b * T, D)  # (2, Hkv, b*T, D)
+        pool.view(2, H, -1, D).index_copy_(2, self.slots, new)
+        rows = pool.index_select(2, self.tables.view(-1)).view(2, H, b, -1, D)  # (2, Hkv, b, S, D)
+        return rows[0].transpose(0, 1), rows[1].transpose(0, 1)  # (b, Hkv, S, D) views
 
-    def select_rows(self, rows: torch.Tensor):
-        """Keeps only `rows` (e.g. unfinished samples, or each prompt repeated G times)."""
-        self.k = [t.index_select(0, rows) for t in self.k]
-        self.v = [t.index_select(0, rows) for t in self.v]
-        self.valid = self.valid.index_select(0, rows)
-        self.pos = self.pos.index_select(0, rows)
-        self.next_pos = self.next_pos.index_select(0, rows)
+    def copy_block(self, source: int, target: int):
+        """Copies one block's keys and values in every layer (a shared block a row writes into)."""
+        for pool in self.kv:
+            pool[:, :, target] = pool[:, :, source]
 
 
 # ----------------------------------------------------------------------------- the model
@@ -353,81 +349,65 @@ class Transformer(nn.Module):
         cap = self.config.final_softcap
         return z if not cap else cap * torch.tanh(z / cap)
 
-    def forward(self, input_ids, attention_mask=None, cache: KVCache | None = None,
-                last_only=False, return_hidden=False, routing: Routing | None = None):
+    def forward(self, input_ids, attention_mask=None, last_only=False, return_hidden=False,
+                routing: Routing | None = None):
         """input_ids (B, T) -> logits (B, T, V) (or (B, 1, V) with last_only).
 
-        attention_mask (B, T): 1 real token, 0 padding (left or right). With a cache, the T
-        tokens are appended after what the cache holds. return_hidden gives the final normed
-        hidden states (B, T, C) instead of logits (token_logprobs applies the head in chunks).
-        routing: records (or replays) the experts of MoE layers, see Routing.
+        attention_mask (B, T): 1 real token, 0 padding (left or right). return_hidden gives the
+        final normed hidden states (B, T, C) instead of logits (token_logprobs applies the head
+        in chunks). routing: records (or replays) the experts of MoE layers, see Routing.
         """
-        B, T = input_ids.shape
         real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
                 else attention_mask.bool())  # (B, T)
-        start = 0 if cache is None else cache.length
-        if cache is not None and cache.decoding:
-            raise ValueError("this KV cache is decoding (Transformer.decode): forward would "
-                             "overwrite the slots decoded since its prefill")
-        if cache is None:
-            positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
-            keys_real, key_pos = real, positions  # (B, S=T)
-        else:
-            if start + T > cache.max_len:
-                raise ValueError(f"KV cache holds {cache.max_len} slots; {start + T} needed")
-            positions = cache.next_pos[:, None] + (real.long().cumsum(-1) - 1).clamp(min=0)
-            cache.valid[:, start:start + T] = real
-            cache.pos[:, start:start + T] = positions
-            cache.next_pos = cache.next_pos + real.long().sum(-1)
-            keys_real, key_pos = cache.valid[:, :start + T], cache.pos[:, :start + T]  # (B, S)
-        plain = attention_mask is None and cache is None
-        masks = self.attention_masks(start, positions, keys_real, key_pos, plain)
+        positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, T) counting real tokens
+        masks = self.attention_masks(positions, real, plain=attention_mask is None)
 
         x = self.embed(input_ids)  # (B, T, C)
         rotary = self.rotary(positions, x.dtype)
-        # The compiled blocks serve the training and scoring forwards; a cache's writes stay eager.
-        layers = self.compiled_layers if self.compiled_layers and cache is None else self.layers
+        layers = self.compiled_layers or self.layers  # speed.compile_blocks
         for i, layer in enumerate(layers):
             kind = self.config.layer_types[i]
             args = (x, *rotary[kind], masks[kind])
-            if self.gradient_checkpointing and torch.is_grad_enabled() and cache is None:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, *args, None, i, routing, use_reentrant=False)
             else:
-                x = layer(*args, cache, i, routing)
-        if cache is not None:
-            cache.length = start + T
-            cache.slot.fill_(start + T)
+                x = layer(*args, None, i, routing)
         if last_only:
             x = x[:, -1:]
         x = self.norm(x)  # (B, T, C)
         return x if return_hidden else self.logits(x)  # (B, T, V)
 
-    def decode(self, tokens, cache: KVCache, routing: Routing | None = None):
-        """tokens (B,) -> logits (B, V) float32: one token per row, written at `cache.slot`,
-        which then moves on by one. The sampler's decode step (rollout.py), after a prefill by
-        forward and `cache.decoding = True`.
+    def paged(self, tokens, start, count, tables, cache: PagedKVCache, routing=None,
+              with_logits=True):
+        """The sampler's forward over a paged KV cache: each row's `count` new tokens (tokens
+        (b, T), right-padded) at positions start, start + 1, ... after the `start` it has cached
+        (b,), its blocks `tables` (b, nb). A prefill chunk (T > 1) or a decode step (T = 1).
+        -> logits (b, V) float32 of each row's last new token (None without with_logits).
 
-        The first `cache.visible` slots are read, the unfilled ones masked out: the sampler
-        narrows it to the filled prefix in buckets, which torch.compile takes as a symbolic
-        length after its first change (one recompile).
+        Each row attends to its own positions only, however long the others are.
         """
-        positions = cache.next_pos[:, None]  # (B, 1) each row's next rotary position
-        cache.valid.index_fill_(1, cache.slot, True)
-        cache.pos.index_copy_(1, cache.slot, positions)
-        S = cache.visible
-        full = cache.valid[:, None, None, :S]  # (B, 1, 1, S): filled slots, this one included
+        b, T = tokens.shape
+        bs = cache.block_size
+        positions = start[:, None] + torch.arange(T, device=tokens.device)  # (b, T)
+        real = torch.arange(T, device=tokens.device) < count[:, None]  # (b, T)
+        block = tables.gather(1, (positions // bs).clamp(max=tables.shape[1] - 1))  # (b, T)
+        cache.slots = torch.where(real, block * bs + positions % bs, 0).view(-1)  # pads: block 0
+        cache.tables = tables
+        key_pos = torch.arange(tables.shape[1] * bs, device=tokens.device)  # (S,) slot s = position s
+        full = (key_pos <= positions[:, :, None])[:, None]  # (b, 1, T, S) causal, own keys only
         masks = {"full": full, "sliding": full}
         if self.config.sliding_window:  # Mistral, Gemma: only keys at positions > p - window
-            near = (positions[:, :, None] - cache.pos[:, None, :S]) < self.config.sliding_window
-            masks["sliding"] = full & near[:, None]  # (B, 1, 1, S)
-        x = self.embed(tokens[:, None])  # (B, 1, C)
+            near = (positions[:, :, None] - key_pos) < self.config.sliding_window
+            masks["sliding"] = full & near[:, None]
+        x = self.embed(tokens)  # (b, T, C)
         rotary = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, *rotary[self.config.layer_types[i]], masks[self.config.layer_types[i]],
-                      cache, i, routing)
-        cache.next_pos.add_(1)
-        cache.slot.add_(1)
-        return self.logits(self.norm(x))[:, 0].float()  # (B, V)
+            kind = self.config.layer_types[i]
+            x = layer(x, *rotary[kind], masks[kind], cache, i, routing)
+        if not with_logits:
+            return None
+        last = x[torch.arange(b, device=x.device), (count - 1).clamp(min=0)]  # (b, C)
+        return self.logits(self.norm(last)).float()  # (b, V)
 
     def rotary(self, positions, dtype):
         """{"full": (cos, sin), "sliding": (cos, sin)}, each (B, 1, T, D); Gemma 3's sliding
@@ -437,27 +417,24 @@ class Transformer(nn.Module):
             return {"full": full, "sliding": full}
         return {"full": full, "sliding": self.rope(positions, dtype, self.inv_freq_local)}
 
-    def attention_masks(self, start, positions, keys_real, key_pos, plain):
-        """{"full": mask, "sliding": mask}, each (B, 1, T, S) bool or None (plain causal).
+    def attention_masks(self, positions, real, plain):
+        """{"full": mask, "sliding": mask}, each (B, 1, T, T) bool or None (plain causal).
 
-        Causal over cache slots, real keys only; a sliding layer's query at position p also sees
-        only keys at positions > p - window (Mistral, Gemma: the window counts the query itself).
-        Positions count real tokens, so a left-padded row sees what it would see unpadded.
+        Causal, real keys only; a sliding layer's query at position p also sees only keys at
+        positions > p - window (Mistral, Gemma: the window counts the query itself). Positions
+        count real tokens, so a left-padded row sees what it would see unpadded.
         """
-        T, S = positions.shape[1], key_pos.shape[1]
-        device = positions.device
-        q_slot = torch.arange(start, start + T, device=device)  # (T,)
-        k_slot = torch.arange(S, device=device)  # (S,)
-        causal = k_slot[None, :] <= q_slot[:, None]  # (T, S)
+        T = positions.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()  # (T, T)
         full = None
         if not plain:
-            full = causal[None] & keys_real[:, None, :]  # (B, T, S)
             # A padding query may see no real key; letting it see itself keeps softmax finite.
-            full = (full | (k_slot[None, :] == q_slot[:, None])[None])[:, None]  # (B, 1, T, S)
+            eye = torch.eye(T, dtype=torch.bool, device=positions.device)
+            full = ((causal[None] & real[:, None, :]) | eye[None])[:, None]  # (B, 1, T, T)
         window = self.config.sliding_window
         if not window or (plain and T <= window):
             return {"full": full, "sliding": full}  # the window never binds
-        near = (positions[:, :, None] - key_pos[:, None, :]) < window  # (B, T, S)
+        near = (positions[:, :, None] - positions[:, None, :]) < window  # (B, T, T)
         base = causal[None, None] if full is None else full
         return {"full": full, "sliding": base & near[:, None]}
 

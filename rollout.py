@@ -1,22 +1,24 @@
-"""Batched sampling: many prompts x G samples in one batch, on our own KV cache.
+"""Sampling: many prompts x G samples through a paged KV cache with continuous batching.
 
     completions = generate(model, prompts, num_samples=G, max_new_tokens=64, temperature=1.0,
                            stop_token_ids=[tokenizer.eos_token_id], seed=0)
 
-How one call runs:
-1. Prompts (token-id lists) are left-padded to a common length and prefilled once each.
-2. Each prompt's cache rows are copied to its G sample rows (prompt-major: prompt 0's G samples
-   come first in the output).
-3. Decode loop: `decode_step` feeds one token per row (`Transformer.decode`, written into the
-   cache in place) and samples the next by inverse CDF (cumulative sum + searchsorted: at a 49k
+How one call runs (the design of vLLM and nano-vllm, in plain PyTorch):
+1. Keys and values live in a pool of fixed-size blocks (`PagedKVCache`, model.py; `BlockPool`
+   counts who holds each block). Each prompt waits in a queue with its G rows (`Engine`).
+2. `Engine.admit` moves prompts in while free blocks and the row cap allow; `Engine.prefill` runs
+   their positions through the model in chunks of at most `prefill_tokens`, once per prompt: its
+   G rows share its blocks, and a row copies a shared block only when it first writes into it.
+3. `Engine.decode`: every running row feeds its last token (`Transformer.paged`, reading only its
+   own blocks) and draws the next by inverse CDF (cumulative sum + searchsorted: at a 49k
    vocabulary ~30x cheaper than torch.multinomial; in two levels, `inverse_cdf`) with one
-   uniform per row, a hash of (the
-   prompt's seed, the sample's index, the step): no generator, no loop over prompts, and a
-   prompt's samples never depend on the batch around it. The step is one torch.compile graph
-   (`compile=True`).
-4. The host reads the batch only every `check_every` steps: to end when every row has stopped
-   (at its first stop token), and, once a quarter of the rows have stopped, to drop the finished
-   rows so they stop costing work.
+   uniform per row, a hash of (the prompt's seed, the sample's index, the row's token count): no
+   generator, and a row's sample never depends on the rows around it or on when it ran. The
+   host reads the drawn tokens once per step; a row that stops frees its blocks at once and a
+   waiting prompt takes them. A row that finds no free block preempts the newest running row,
+   which frees its blocks and is recomputed when admitted again: never out of memory.
+4. The pool is sized by `kv_budget` (see `pool_blocks`); a row that cannot fit alone is refused
+   before any work.
 
 Each completion's `.logprobs` are those of the distribution the token was drawn from: the logits
 divided by the temperature, before top-k/top-p truncation (at temperature 1, the policy's own
@@ -25,17 +27,20 @@ temperature 0 (greedy) they are the untempered policy's log-probs.
 
 `python bench.py sampler` times this sampler, eager and compiled, against transformers'
 `generate`, eager and with a compiled static cache, on the same weights, batch, lengths and
-dtype, side by side in one process. Tests: `python -m pytest tests/test_rollout.py`.
+dtype, side by side in one process. Tests: `python -m pytest tests/test_rollout.py
+tests/test_engine.py`.
 """
 
+import itertools
 import json
 import os
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from model import KVCache, Transformer
+from model import PagedKVCache, Transformer
 from speed import sampling_products
 from moe import Routing
 
@@ -214,63 +219,314 @@ def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_
 @torch.no_grad()
 @sampling_products()  # a CPU's products on packed oneDNN weights (speed.pack_linears)
 def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, temperature=1.0,
-             top_p=1.0, top_k=0, stop_token_ids=(), seed=0, compile=None, compact_fraction=0.25,
-             check_every=None, record_routing=False, stream=None):
+             top_p=1.0, top_k=0, stop_token_ids=(), seed=0, compile=None, check_every=None,
+             record_routing=False, stream=None, kv_budget=None, max_rows=None, block_size=16,
+             prefill_tokens=8192, stats=None):
     """prompts: list of token-id lists; num_samples: int, or one int per prompt; seed: int, or one
     int per prompt. compile: run the decode step through torch.compile (None: where it is faster,
-    see `compiled_by_default`). check_every: steps between the host's looks at which rows have
-    stopped (None: 8 on a GPU, where a look stalls the queue of kernels; 1 on a CPU, where it
-    costs nothing and each look can end the loop sooner). record_routing: on an MoE model, each
-    Completion's `.routing` holds the experts every position went to (for routing replay).
-    stream: called at each host look with the tokens so far, (B, steps), 0 past a stop (demo.py).
-    -> list[Completion], prompt-major. The same seed gives the same samples.
+    see `compiled_by_default`). record_routing: on an MoE model, each Completion's `.routing`
+    holds the experts every position went to (for routing replay). stream: called every
+    `check_every` decode steps (None: 1) with the tokens so far, (B, longest), 0 past a row's
+    end (demo.py).
+    The engine: kv_budget, GiB of KV blocks (None: every row at its longest on a CPU; on CUDA
+    also at most 90% of the free memory, see `pool_blocks`); max_rows running at once (None: all);
+    block_size, positions a block holds; prefill_tokens, the most prompt tokens one prefill
+    forward computes. stats: a dict to fill with the engine's counts (`Engine.stats`).
+    -> list[Completion], prompt-major. The same seed gives the same samples, whatever the budget.
     """
     counts, seeds = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p,
                                   top_k, check_every, seed)
+    if block_size < 1 or prefill_tokens < 1 or (max_rows is not None and max_rows < 1):
+        raise ValueError(f"generate: need block_size, prefill_tokens and max_rows >= 1; got "
+                         f"{block_size}, {prefill_tokens}, {max_rows}")
     record = record_routing and model.config.num_experts > 0
+    engine = Engine(model, pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget),
+                    block_size, max_rows or sum(counts), prefill_tokens, record)
+    keys = sample_keys(seeds, counts).to(model.device)  # (B,) each row's random stream
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
     step_fn = step_function(model, compile, record)
-    check_every = check_every or (8 if model.device.type == "cuda" else 1)
+    rows = [Row(r, i, list(prompts[i])) for r, i in enumerate(
+        i for i, c in enumerate(counts) for _ in range(c))]
+    if record:  # -1: dense layers, and positions never fed
+        cfg = model.config
+        for row in rows:
+            row.routes = torch.full((len(row.prompt) + max_new_tokens, cfg.num_layers,
+                                     cfg.experts_per_token), -1, dtype=torch.int16)
+    for i, group in enumerate(prompt_groups(rows, counts)):
+        engine.waiting.append(Prefill(group, list(prompts[i])))
+    stop_ids, steps = set(stop_token_ids), 0
+    while engine.busy():
+        engine.admit()
+        if engine.prefilling:  # prompts first: their rows join the next decode step
+            engine.prefill(keys, sampling, stop_ids, max_new_tokens)
+            continue
+        engine.decode(step_fn, keys, sampling, stop_ids, max_new_tokens)
+        steps += 1
+        if stream and steps % (check_every or 1) == 0:
+            stream(tokens_so_far(rows))
+    if stats is not None:
+        stats.update(engine.stats, peak_blocks=engine.pool.peak, pool_blocks=engine.pool.size,
+                     blocks_in_use=engine.pool.size - 1 - len(engine.pool.free),
+                     block_bytes=engine.cache.block_bytes)
+    return [row.completion() for row in rows]
 
-    # 1. Prefill each prompt once, then give each of its samples a copy of its cache rows.
-    cache, logits, row_prompt, routes = prefill(model, prompts, counts, max_new_tokens, record)
-    B, device, prompt_len = len(row_prompt), model.device, cache.max_len - max_new_tokens
-    keys = sample_keys(seeds, counts).to(device)  # (B,) each row's random stream
-    tokens, logp = sample_tokens(logits, step_uniforms(keys, 0), temperature, top_p, top_k)
-    tokens = tokens.clone()  # (B,) not a view: a compiled step would recompile for a view's base
-    out_tokens, out_logp, lengths, stopped = output_buffers(B, max_new_tokens, device)
-    stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
-    active = torch.arange(B, device=device)  # rows still in the batch (some may have stopped)
 
-    # 2. Decode: one token per row per step, on the device throughout; the host reads the batch
-    #    only every `check_every` steps (to stop, or to drop finished rows).
-    for step in range(max_new_tokens):
-        running = ~stopped[active]  # (b,) rows whose token counts
-        out_tokens[active, step] = torch.where(running, tokens, 0)
-        out_logp[active, step] = torch.where(running, logp, 0.0)
-        hit = running & torch.isin(tokens, stop_ids)  # (b,)
-        lengths[active] = torch.where(hit, step + 1, lengths[active])
-        stopped[active] = stopped[active] | hit
-        if step + 1 == max_new_tokens:
-            break
-        if (step + 1) % check_every == 0:
-            if stream:
-                stream(out_tokens[:, :step + 1].clone())  # (B, steps), the caller's to keep
-            done, rows = look_at_stops(stopped, active, compact_fraction)
-            if done:
+@dataclass
+class Row:
+    """One sample being drawn: its prompt, its tokens so far, and the blocks holding its keys."""
+    index: int  # its place among all rows (prompt-major): its random stream
+    prompt_index: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    table: list[int] = field(default_factory=list)  # its KV blocks, in order
+    cached: int = 0  # positions whose keys and values are in its blocks
+    finish: str | None = None  # "stop" or "length" once it has ended
+    routes: torch.Tensor | None = None  # (P + N_new, L, k) when recording MoE routing
+
+    def completion(self):
+        length = len(self.prompt) + len(self.tokens)
+        return Completion(self.prompt_index, self.tokens, self.logprobs, self.finish,
+                          None if self.routes is None else self.routes[:length].cpu())
+
+
+@dataclass
+class Prefill:
+    """Positions to compute before rows can decode: a prompt, once for all of its rows; or a
+    preempted row's prompt and tokens but the last (recomputed, then decoding goes on)."""
+    rows: list[Row]
+    context: list[int]
+    table: list[int] = field(default_factory=list)
+    done: int = 0  # positions computed so far
+
+    @property
+    def fresh(self):  # a prompt's first prefill: its logits give each row's first token
+        return not self.rows[0].tokens
+
+
+def prompt_groups(rows, counts):
+    """Rows (prompt-major) -> one list of rows per prompt."""
+    ends = list(itertools.accumulate(counts))
+    return [rows[end - c:end] for c, end in zip(counts, ends)]
+
+
+class BlockPool:
+    """The KV cache's blocks: a free list and a reference count per block (nano-vllm's block
+    manager). Block 0 is the cache's scratch block, never handed out."""
+
+    def __init__(self, size):
+        self.size = size
+        self.free = list(range(size - 1, 0, -1))  # pop() hands out low ids first
+        self.refs = [0] * size
+        self.peak = 0  # the most blocks in use at once
+
+    def allocate(self):
+        block = self.free.pop()
+        self.refs[block] = 1
+        self.peak = max(self.peak, self.size - 1 - len(self.free))
+        return block
+
+    def share(self, blocks, times=1):
+        for block in blocks:
+            self.refs[block] += times
+
+    def release(self, blocks):
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free.append(block)
+
+
+def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget):
+    """The pool's size in blocks (the scratch block included): what every row needs at its
+    longest, no more; within kv_budget GiB when given, and on CUDA within 90% of the free memory.
+    A row that cannot fit alone is refused here, before any work, with the arithmetic."""
+    cfg = model.config
+    block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * \
+        model.dtype.itemsize
+    longest = [-(-(len(p) + max_new_tokens) // block_size) for p in prompts]  # blocks a row
+    blocks = 1 + sum(n * c for n, c in zip(longest, counts))
+    budget = kv_budget * 2**30 if kv_budget is not None else None
+    if model.device.type == "cuda":
+        free = 0.9 * torch.cuda.mem_get_info(model.device)[0]
+        budget = free if budget is None else min(budget, free)
+    if budget is not None:
+        blocks = min(blocks, int(budget // block_bytes))
+    if blocks < 1 + max(longest):
+        raise ValueError(
+            f"generate: a row of {max(len(p) for p in prompts)} prompt + {max_new_tokens} new "
+            f"tokens needs {max(longest)} blocks of {block_size} positions ({block_bytes} bytes "
+            f"each, {max(longest) * block_bytes / 2**30:.3g} GiB) and the scratch block; the KV "
+            f"budget holds {blocks} blocks, one of them scratch: raise it, or lower "
+            f"max_new_tokens")
+    return blocks
+
+
+class Engine:
+    """Continuous batching over the paged cache: prompts wait in a queue and are admitted while
+    blocks and the row cap allow; their prefill runs in chunks; each decode step feeds every
+    running row one token; a row that ends frees its blocks at once, and a row that finds no free
+    block preempts the newest running row (its blocks freed, recomputed when admitted again)."""
+
+    def __init__(self, model, num_blocks, block_size, max_rows, prefill_tokens, record):
+        self.model, self.max_rows, self.prefill_tokens, self.record = \
+            model, max_rows, prefill_tokens, record
+        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
+        self.pool, self.block_size = BlockPool(num_blocks), block_size
+        self.waiting, self.prefilling, self.decoding = deque(), [], []  # Prefill, Prefill, Row
+        self.stats = dict(waits=0, preemptions=0, prefill_tokens=0, decode_steps=0)
+
+    def busy(self):
+        return bool(self.waiting or self.prefilling or self.decoding)
+
+    def admit(self):
+        """Moves queued prefills in, oldest first, while blocks (a prompt's, plus one of its own
+        for each row; with nothing running, the prompt's alone) and row slots allow; a prompt's
+        rows split when not all fit."""
+        while self.waiting:
+            job = self.waiting[0]
+            need = -(-len(job.context) // self.block_size)
+            running = len(self.decoding) + sum(len(j.rows) for j in self.prefilling)
+            spare = len(self.pool.free) - need  # blocks left for the rows' own
+            fit = min(len(job.rows), self.max_rows - running,
+                      spare if running or spare < 0 else max(spare, 1))
+            if fit < 1:
+                self.stats["waits"] += 1
+                return
+            self.waiting.popleft()
+            if fit < len(job.rows):  # the rest wait, to prefill the prompt again for themselves
+                self.waiting.appendleft(Prefill(job.rows[fit:], job.context))
+                job = Prefill(job.rows[:fit], job.context)
+            job.table = [self.pool.allocate() for _ in range(need)]
+            self.prefilling.append(job)
+
+    def prefill(self, keys, sampling, stop_ids, max_new_tokens):
+        """One forward over the next chunks of the admitted prefills, at most `prefill_tokens`
+        positions in all; a prompt that completes draws each of its rows' first token."""
+        chunks, left = [], self.prefill_tokens
+        for job in self.prefilling:
+            n = min(len(job.context) - job.done, left)
+            if n < 1:
                 break
-            if rows is not None:  # finished rows cost a forward per step; dropping them, one copy
-                cache.select_rows(rows)
-                active, tokens, keys = active[rows], tokens[rows], keys[rows]
-        routing = Routing() if record else None
-        # The filled slots only, in buckets of 32 (compiled: one recompile makes it a symbol).
-        cache.visible = min(cache.max_len, -(-(prompt_len + step + 1) // 32) * 32)
-        draw = torch.full((1,), step + 1, dtype=torch.long, device=device)  # a fill, not a copy
-        tokens, logp = step_fn(model, tokens, cache, keys, draw, temperature, top_p, top_k,
-                               routing)  # (b,), (b,): the next token of each row
-        if record:  # the token fed at this step sits at position prompt_len + step
-            routes[active, prompt_len + step] = routing.stacked(model.config)[:, 0].short()
-    return completions(prompts, row_prompt, out_tokens, out_logp, lengths, stopped, routes,
-                       prompt_len)
+            chunks.append((job, n))
+            left -= n
+        tokens = pad_rows([job.context[job.done:job.done + n] for job, n in chunks])  # (b, T)
+        start = self.tensor([job.done for job, _ in chunks])  # (b,)
+        count = self.tensor([n for _, n in chunks])  # (b,)
+        routing = Routing() if self.record else None
+        logits = self.model.paged(tokens.to(self.model.device), start, count,
+                                  self.tables([job.table for job, _ in chunks]), self.cache,
+                                  routing, with_logits=any(job.fresh for job, _ in chunks))
+        self.stats["prefill_tokens"] += sum(n for _, n in chunks)
+        routes = routing.stacked(self.model.config).short().cpu() if routing else None  # (b, T, L, k)
+        drawing, source = [], []  # the rows of completed prompts, and their chunk's index
+        for i, (job, n) in enumerate(chunks):
+            for row in job.rows if routes is not None else ():
+                row.routes[job.done:job.done + n] = routes[i, :n]
+            job.done += n
+            if job.done == len(job.context):
+                self.prefilling.remove(job)
+                self.start_decoding(job)
+                if job.fresh:
+                    drawing += job.rows
+                    source += [i] * len(job.rows)
+        if drawing:  # their first tokens, all in one draw
+            rows = self.tensor([row.index for row in drawing])
+            drawn, logp = sample_tokens(logits[self.tensor(source)], step_uniforms(keys[rows], 0),
+                                        **sampling)
+            self.take(drawing, drawn, logp, stop_ids, max_new_tokens)
+
+    def start_decoding(self, job):
+        """The prefill's rows join the decode batch, sharing its blocks (a block one of them
+        writes into is copied first)."""
+        self.pool.share(job.table, len(job.rows) - 1)
+        for row in job.rows:
+            row.table, row.cached = list(job.table), len(job.context)
+            self.decoding.append(row)
+
+    def decode(self, step_fn, keys, sampling, stop_ids, max_new_tokens):
+        """Every running row feeds its last token and draws the next (one host read)."""
+        self.make_room()
+        rows = self.decoding
+        index = self.tensor([row.index for row in rows])  # (b,)
+        fed = self.tensor([row.tokens[-1] for row in rows])  # (b,)
+        start = self.tensor([row.cached for row in rows])  # (b,) the fed token's position
+        draws = self.tensor([len(row.tokens) for row in rows])  # (b,) each row's step
+        routing = Routing() if self.record else None
+        drawn, logp = step_fn(self.model, fed, start, self.tables([r.table for r in rows]),
+                              self.cache, keys[index], draws, *sampling.values(), routing)
+        routes = routing.stacked(self.model.config).short().cpu() if routing else None  # (b, 1, L, k)
+        for i, row in enumerate(rows):
+            if routes is not None:  # the fed token's experts
+                row.routes[row.cached] = routes[i, 0]
+            row.cached += 1
+        self.stats["decode_steps"] += 1
+        self.take(list(rows), drawn, logp, stop_ids, max_new_tokens)
+
+    def take(self, rows, drawn, logp, stop_ids, max_new_tokens):
+        """Appends each row's drawn token (b,) and log-prob (b,); rows that end leave."""
+        # One read from the device: ids below 2^53 and float32 log-probs are exact in float64.
+        drawn, logp = torch.stack([drawn.double(), logp.double()]).tolist()
+        for row, token, lp in zip(rows, drawn, logp):
+            row.tokens.append(int(token))
+            row.logprobs.append(lp)
+            if int(token) in stop_ids or len(row.tokens) == max_new_tokens:
+                row.finish = "stop" if int(token) in stop_ids else "length"
+                self.decoding.remove(row)
+                self.pool.release(row.table)
+                row.table = []
+
+    def make_room(self):
+        """Gives each running row, oldest first, a block of its own for the position it writes:
+        a new one at a block's start, a copy of a shared one. With none free, the newest running
+        row is preempted (it may be this row)."""
+        i = 0
+        while i < len(self.decoding):
+            row = self.decoding[i]
+            b = row.cached // self.block_size
+            if b < len(row.table) and self.pool.refs[row.table[b]] == 1:
+                i += 1
+                continue
+            if not self.pool.free:
+                self.preempt(self.decoding[-1])
+                continue  # row i again, unless it was the one preempted
+            block = self.pool.allocate()
+            if b < len(row.table):  # copy on write
+                self.cache.copy_block(row.table[b], block)
+                self.pool.release([row.table[b]])
+                row.table[b] = block
+            else:
+                row.table.append(block)
+            i += 1
+
+    def preempt(self, row):
+        """Frees a running row's blocks; it waits first in the queue to be recomputed (its prompt
+        and tokens but the last), then decodes on: its random stream counts its own tokens."""
+        self.decoding.remove(row)
+        self.pool.release(row.table)
+        row.table, row.cached = [], 0
+        self.waiting.appendleft(Prefill([row], row.prompt + row.tokens[:-1]))
+        self.stats["preemptions"] += 1
+
+    def tensor(self, values):
+        return torch.tensor(values, dtype=torch.long, device=self.model.device)
+
+    def tables(self, tables):
+        """Block tables -> (b, nb) long on the device, padded with the scratch block 0."""
+        return pad_rows(tables).to(self.model.device)
+
+
+def pad_rows(rows):
+    """Lists of ints -> (len(rows), longest) long, right-padded with 0."""
+    out = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
+
+
+def tokens_so_far(rows):
+    """(B, longest) long: each row's tokens, 0 past its end (what `stream` is given)."""
+    return pad_rows([row.tokens or [0] for row in rows])
 
 
 def step_function(model, compile, record):
@@ -283,55 +539,14 @@ def step_function(model, compile, record):
         and not record else decode_step
 
 
-def output_buffers(rows, max_new_tokens, device):
-    """What the decode loop fills: tokens (B, N_new), their log-probs (B, N_new), each row's
-    length (B,; the budget until it stops) and whether it stopped (B,)."""
-    return (torch.zeros(rows, max_new_tokens, dtype=torch.long, device=device),
-            torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device),
-            torch.full((rows,), max_new_tokens, dtype=torch.long, device=device),
-            torch.zeros(rows, dtype=torch.bool, device=device))
-
-
-def look_at_stops(stopped, active, compact_fraction):
-    """The host's one read of the batch: -> (every row stopped?, the rows to keep when at least
-    compact_fraction of the batch has stopped, else None)."""
-    keep = ~stopped[active]  # (b,)
-    left = int(keep.sum())  # the host read
-    if left == 0:
-        return True, None
-    if len(active) - left >= max(1, compact_fraction * len(active)):
-        return False, keep.nonzero().squeeze(-1)
-    return False, None
-
-
-def prefill(model, prompts, counts, max_new_tokens, record):
-    """Left-pads the prompts, runs them through the model once into a new KV cache, and copies
-    each prompt's cache rows to its samples'.
-    -> cache (decoding), logits (B, V) of the last prompt token, row_prompt (B,), routes or None."""
-    device = model.device
-    prompt_len = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), prompt_len, dtype=torch.long)  # (N, P), left-padded
-    real = torch.zeros(len(prompts), prompt_len, dtype=torch.long)  # (N, P)
-    for i, p in enumerate(prompts):
-        ids[i, prompt_len - len(p):] = torch.tensor(p)
-        real[i, prompt_len - len(p):] = 1
-    cache = KVCache(model.config, len(prompts), prompt_len + max_new_tokens, model.dtype, device)
-    routing = Routing() if record else None
-    logits = model(ids.to(device), real.to(device), cache=cache, last_only=True,
-                   routing=routing)[:, -1].float()  # (N, V)
-    row_prompt = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(counts))  # (B,)
-    cache.select_rows(row_prompt.to(device))
-    cache.decoding = True
-    routes = (routes_buffer(model, routing, row_prompt.to(device), max_new_tokens) if record
-              else None)  # (B, P + N_new, L, k)
-    return cache, logits[row_prompt.to(device)], row_prompt, routes
-
-
-def decode_step(model, tokens, cache, keys, draw, temperature, top_p, top_k, routing=None):
-    """Feeds each row's last token (b,) and samples its next: -> tokens (b,), logprobs (b,).
-    draw (1,): the step's index in each row's random stream. One graph for torch.compile."""
-    logits = model.decode(tokens, cache, routing)  # (b, V) float32
-    return sample_tokens(logits, step_uniforms(keys, draw), temperature, top_p, top_k)
+def decode_step(model, fed, start, tables, cache, keys, draws, temperature, top_p, top_k,
+                routing=None):
+    """Feeds each row's last token fed (b,) at position start (b,) and draws its next:
+    -> tokens (b,), logprobs (b,). draws (b,): each row's index in its random stream.
+    One graph for torch.compile."""
+    logits = model.paged(fed[:, None], start, torch.ones_like(start), tables, cache,
+                         routing)  # (b, V) float32
+    return sample_tokens(logits, step_uniforms(keys, draws), temperature, top_p, top_k)
 
 
 def compiled_by_default(model) -> bool:
@@ -344,9 +559,8 @@ _COMPILED = {}
 
 def compiled_step(device):
     """decode_step through torch.compile, made once per device type: one whole graph
-    (fullgraph), shapes dynamic (a new batch size or prompt length is no new compile). Not CUDA
-    graphs yet: they skip a graph whose inputs (the cache) are written in place, and compaction
-    would re-record them; measuring that on a GPU is still to do. Without duck shapes: by default, sizes equal when first seen share one symbol, so a batch of 64 rows
+    (fullgraph), shapes dynamic (a new row count or table width is no new compile). Without
+    duck shapes: by default, sizes equal when first seen share one symbol, so a batch of 64 rows
     would be fixed at 64 along with a head size of 64."""
     if device.type not in _COMPILED:
         _COMPILED[device.type] = torch.compile(decode_step, fullgraph=True, dynamic=True)
@@ -358,27 +572,3 @@ def without_duck_shapes(compiled):
         with torch.fx.experimental._config.patch(use_duck_shape=False):  # read when compiling
             return compiled(*args)
     return step
-
-
-def completions(prompts, row_prompt, out_tokens, out_logp, lengths, stopped, routes, prompt_len):
-    """The decode loop's tensors -> list[Completion], one per row (prompt-major)."""
-    out_tokens, out_logp = out_tokens.cpu(), out_logp.cpu()
-    lengths, stopped = lengths.cpu().tolist(), stopped.cpu().tolist()
-    routes = routes.cpu() if routes is not None else None
-    starts = [prompt_len - len(prompts[int(g)]) for g in row_prompt]  # each row's first real slot
-    return [Completion(prompt_index=int(row_prompt[r]), tokens=out_tokens[r, :lengths[r]].tolist(),
-                       logprobs=out_logp[r, :lengths[r]].tolist(),
-                       finish_reason="stop" if stopped[r] else "length",
-                       routing=routes[r, starts[r]:prompt_len + lengths[r]] if routes is not None
-                       else None)
-            for r in range(len(row_prompt))]
-
-
-def routes_buffer(model, routing, row_prompt, max_new_tokens):
-    """(B, P + max_new_tokens, L, k) int16: each sample row's prompt experts (as the prefill
-    routed them), then -1 until a token is fed at that position."""
-    prompt = routing.stacked(model.config).index_select(0, row_prompt)  # (B, P, L, k)
-    B, P, L, k = prompt.shape
-    routes = torch.full((B, P + max_new_tokens, L, k), -1, dtype=torch.int16, device=prompt.device)
-    routes[:, :P] = prompt
-    return routes

@@ -19,7 +19,7 @@ import model as M
 import moe
 from checkpoints import load_model, save_model
 from lora import LoRALinear, add_lora, lora_disabled, merge_lora
-from model import KVCache, token_logprobs
+from model import PagedKVCache, token_logprobs
 from moe import Routing
 
 TOL = 1e-4  # float32 logit parity (issue 2, acceptance 1)
@@ -328,42 +328,44 @@ def test_bundled_matches_transformers_gguf(smollm2):
 
 @pytest.mark.parametrize("family", ["llama", "llama3", "qwen3", "mistral", "gemma3", "gemma2",
                                     "qwen3_moe", "mixtral"])  # 24 tokens: past the window of 16
-def test_kv_cache_decode_matches_full_forward(loaded, family):
-    """Prefill, a multi-token append, then one token at a time: the logits of every real
-    position equal one full forward, with rows left-padded by different amounts."""
+def test_paged_forward_matches_full_forward(loaded, family):
+    """Rows of different lengths, their blocks scattered through the pool: a 10-token prefill
+    chunk, a 3-token one, then one token at a time give, at every position, the logits of one
+    full forward of each row alone."""
     ours, _ = loaded(family)
-    lengths = [24, 19, 15]  # pads 0, 5, 9; every row has real tokens in the 10-token prefill
+    lengths, block_size = [24, 19, 15], 4
     rows = [random_ids(1, n, ours.config.vocab_size, seed=20 + n)[0] for n in lengths]
-    ids, mask = left_pad(rows)
-    B, T = ids.shape
+    blocks = torch.randperm(3 * 6, generator=torch.Generator().manual_seed(0)) + 1  # not 0
+    tables = blocks.view(3, 6)  # (b, nb): 6 blocks of 4 positions a row, in no order
+    cache = PagedKVCache(ours.config, 1 + 3 * 6, block_size, torch.float32, "cpu")
     with torch.no_grad():
-        full = ours(ids, attention_mask=mask)  # (B, T, V)
-        cache = KVCache(ours.config, B, T, torch.float32, "cpu")
-        pieces = [ours(ids[:, :10], mask[:, :10], cache=cache),
-                  ours(ids[:, 10:13], mask[:, 10:13], cache=cache)]
-        for t in range(13, T):
-            pieces.append(ours(ids[:, t:t + 1], mask[:, t:t + 1], cache=cache))
-        stepped = torch.cat(pieces, dim=1)
-        assert cache.length == T
-        real = mask.bool()
-        assert max_diff(stepped[real], full[real]) <= TOL
-        # And against each row alone, unpadded.
-        for i, r in enumerate(rows):
-            assert max_diff(stepped[i, T - len(r):], ours(r[None])[0]) <= TOL
-        # last_only gives the last position alone.
-        cache2 = KVCache(ours.config, B, T, torch.float32, "cpu")
-        last = ours(ids, mask, cache=cache2, last_only=True)
-        assert last.shape == (B, 1, ours.config.vocab_size)
-        assert max_diff(last[:, 0], full[:, -1]) <= TOL
+        for start, end in [(0, 10), (10, 13)] + [(t, t + 1) for t in range(13, 24)]:
+            count = torch.tensor([max(0, min(end, n) - start) for n in lengths])  # (b,)
+            live = count > 0
+            tokens = torch.stack([torch.cat([r, torch.zeros(24, dtype=torch.long)])[start:end]
+                                  for r in rows])  # (b, T), right-padded
+            logits = ours.paged(tokens[live], torch.full((int(live.sum()),), start),
+                                count[live], tables[live], cache)  # (b', V)
+            for got, i in zip(logits, live.nonzero()[:, 0].tolist()):
+                last = start + int(count[i]) - 1
+                want = ours(rows[i][None, :last + 1])[0, -1]
+                assert max_diff(got, want) <= TOL, (start, i)
 
 
-def test_kv_cache_overflow_is_an_error(loaded):
+def test_paged_forward_writes_only_its_rows_blocks(loaded):
+    """Padding tokens write into the scratch block 0 only: every other block not in the rows'
+    tables keeps its contents."""
     ours, _ = loaded("llama")
-    cache = KVCache(ours.config, 1, 8, torch.float32, "cpu")
+    cache = PagedKVCache(ours.config, 8, 4, torch.float32, "cpu")
+    for pool in cache.kv:
+        pool.fill_(7.0)
+    tokens = random_ids(2, 6, 128)
     with torch.no_grad():
-        ours(random_ids(1, 6, 128), cache=cache)
-        with pytest.raises(ValueError, match="cache"):
-            ours(random_ids(1, 3, 128), cache=cache)
+        ours.paged(tokens, torch.tensor([0, 0]), torch.tensor([6, 2]),
+                   torch.tensor([[3, 5], [6, 0]]), cache, with_logits=False)
+    for pool in cache.kv:
+        untouched = pool[:, :, [1, 2, 4, 7]]
+        assert (untouched == 7.0).all() and not (pool[:, :, [3, 5, 6]] == 7.0).all()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -243,10 +243,18 @@ def pick_stop_tokens(completions, horizon):
     return chosen
 
 
+def decode_batches(model, monkeypatch):
+    """-> a list that fills with the row count of each decode step (model.paged with T = 1)."""
+    sizes, paged = [], model.paged
+    monkeypatch.setattr(model, "paged", lambda tokens, *args, **kw: (
+        tokens.shape[1] == 1 and sizes.append(tokens.shape[0])) or paged(tokens, *args, **kw))
+    return sizes
+
+
 @pytest.mark.parametrize("family", ["llama3", "qwen2"])
-def test_stop_and_compaction_do_not_change_samples(tiny, family, monkeypatch):
-    """A row ends at its first stop token; compaction (finished rows dropped from the batch)
-    leaves every sample as it is, because the uniforms are drawn per original row."""
+def test_stop_does_not_change_samples(tiny, family, monkeypatch):
+    """A row ends at its first stop token and leaves the batch at once (its blocks freed); the
+    other samples stay as they are, because each row's uniforms count its own tokens."""
     model = tiny(family)
     prompts = tiny_prompts(model.config.vocab_size, lengths=(7, 12, 3, 9, 5, 16))
     kw = dict(num_samples=3, max_new_tokens=24, temperature=1.0, seed=11)
@@ -260,24 +268,15 @@ def test_stop_and_compaction_do_not_change_samples(tiny, family, monkeypatch):
         expected.append((c.tokens, "length") if cut is None else (c.tokens[:cut + 1], "stop"))
     assert any(r == "stop" for _, r in expected) and any(r == "length" for _, r in expected)
 
-    sizes = []  # the batch of each decode step
-    decode = model.decode
-    monkeypatch.setattr(model, "decode", lambda tokens, *args: sizes.append(len(tokens))
-                        or decode(tokens, *args))
-    for fraction in (1.1, 0.25, 0.0):
-        sizes.clear()
-        out = generate(model, prompts, stop_token_ids=stop, compact_fraction=fraction, **kw)
-        for c, f, (toks, reason) in zip(out, free, expected):
-            assert c.tokens == toks and c.finish_reason == reason, fraction
-            if reason == "stop":
-                assert c.tokens[-1] in stop and not set(c.tokens[:-1]) & set(stop)
-            assert len(c.logprobs) == len(c.tokens)
-            assert c.logprobs == pytest.approx(f.logprobs[:len(toks)], abs=1e-4)
-        assert sizes  # the decode batch shrinks only when compaction is on
-        if fraction > 1:
-            assert set(sizes) == {len(out)}, sizes
-        else:
-            assert min(sizes) < len(out), (fraction, sizes)
+    sizes = decode_batches(model, monkeypatch)
+    out = generate(model, prompts, stop_token_ids=stop, **kw)
+    for c, f, (toks, reason) in zip(out, free, expected):
+        assert c.tokens == toks and c.finish_reason == reason
+        if reason == "stop":
+            assert c.tokens[-1] in stop and not set(c.tokens[:-1]) & set(stop)
+        assert len(c.logprobs) == len(c.tokens)
+        assert c.logprobs == pytest.approx(f.logprobs[:len(toks)], abs=1e-4)
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0] <= len(out)  # shrinks
 
 
 def test_stop_on_first_token_and_all_rows(tiny):
@@ -561,8 +560,9 @@ def test_compiled_step_equals_eager(tiny, family, onednn, monkeypatch):
 
 
 def test_stream_sees_each_prefix_of_the_result_at_each_check(tiny):
-    """generate(stream=...) is called at every host look with the tokens so far: prefixes of the
-    final completions (zeros past a row's stop), and the samples are the same as without it."""
+    """generate(stream=...) is called every `check_every` decode steps with the tokens so far:
+    prefixes of the final completions (zeros past a row's end), and the samples are the same as
+    without it."""
     model = tiny("llama3")
     prompts = tiny_prompts(model.config.vocab_size)
     kwargs = dict(num_samples=2, max_new_tokens=12, temperature=1.0, stop_token_ids=[5, 9], seed=3,
@@ -570,33 +570,31 @@ def test_stream_sees_each_prefix_of_the_result_at_each_check(tiny):
     seen = []
     streamed = generate(model, prompts, stream=lambda tokens: seen.append(tokens.tolist()), **kwargs)
     assert [c.tokens for c in streamed] == [c.tokens for c in generate(model, prompts, **kwargs)]
-    assert [len(tokens[0]) for tokens in seen] == [4, 8][:len(seen)] and seen
+    assert seen and [len(tokens[0]) for tokens in seen] == sorted(len(t[0]) for t in seen)
     for tokens in seen:
         for row, completion in zip(tokens, streamed):
             cut = min(len(row), len(completion.tokens))
             assert row[:cut] == completion.tokens[:cut] and not any(row[cut:])
 
 
-def test_the_decode_loop_reads_the_host_once_per_check(tiny, monkeypatch):
-    """Between the first decode step and the end, the host reads a device value only at the
-    checks every `check_every` steps (on CUDA each read would stall the stream)."""
-    import rollout
+def test_the_engine_reads_the_host_once_per_step(tiny, monkeypatch):
+    """The host reads a device value once per forward that draws tokens (each decode step, and
+    each prefill that completes prompts): the drawn tokens and their log-probs, together (on
+    CUDA each read waits for the queue of kernels)."""
     model = tiny("llama3")
-    reads, decoding = [], []
+    prompts, reads = tiny_prompts(model.config.vocab_size), []
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero"):
         original = getattr(torch.Tensor, name)
 
         def counted(self, *args, _original=original, _name=name, **kwargs):
-            if decoding:
-                reads.append(_name)
+            reads.append(_name)
             return _original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, counted)
-    decode, completions = model.decode, rollout.completions
-    monkeypatch.setattr(model, "decode", lambda *a: decoding.append(1) or decode(*a))
-    monkeypatch.setattr(rollout, "completions", lambda *a: decoding.clear() or completions(*a))
-    generate(model, tiny_prompts(model.config.vocab_size), num_samples=2, max_new_tokens=30,
-             temperature=1.0, stop_token_ids=[], check_every=8, compile=False)
-    assert len(decoding) == 0 and reads.count("__int__") == 3 and len(reads) == 3, reads
+    stats = {}
+    generate(model, prompts, num_samples=2, max_new_tokens=30, temperature=1.0, stop_token_ids=[],
+             compile=False, stats=stats)
+    monkeypatch.undo()
+    assert stats["decode_steps"] == 29 and reads == ["tolist"] * (29 + 1), reads
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,0 +1,152 @@
+"""Tests for rollout.py's engine: the paged KV cache, continuous batching, budgets, preemption.
+
+Whatever the budget, the row cap or the block size, every sample is the one the sampler draws
+with everything fitting at once, and that is each prompt's own sample drawn alone: token for
+token in float32, log-probs within 1e-4. Budgets here are small enough to force waits and
+preemptions (counted), and the pool never holds more than it was given."""
+
+import pytest
+import torch
+
+from conftest import FAMILIES, random_ids
+from checkpoints import load_model
+from rollout import generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_ckpt):
+    cache = {}
+
+    def get(family="llama3"):
+        if family not in cache:
+            cache[family] = load_model(tiny_ckpt(family))[0]
+        return cache[family]
+    return get
+
+
+def prompts_of(model, lengths=(7, 12, 3, 9, 20)):
+    return [random_ids(1, n, model.config.vocab_size, seed=i)[0].tolist()
+            for i, n in enumerate(lengths)]
+
+
+def assert_same(got, want):
+    """Completions equal token for token, log-probs within 1e-4 (prompt indices aside)."""
+    for a, b in zip(got, want, strict=True):
+        assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def budget(model, blocks, block_size=16):
+    """kv_budget in GiB that holds `blocks` blocks (the scratch block included)."""
+    cfg = model.config
+    return blocks * 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * 4 / 2**30
+
+
+SAMPLING = [dict(temperature=0.0), dict(temperature=1.0, seed=3, stop_token_ids=[9, 17, 30]),
+            dict(temperature=0.8, top_p=0.9, top_k=20, seed=4)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_all_rows_at_once_equal_each_prompt_alone(tiny, family):
+    """Every family (sliding windows past their width, soft caps, MoE with its routing recorded),
+    greedy, sampled, truncated, with stop tokens."""
+    model = tiny(family)
+    prompts = prompts_of(model)
+    for kw in SAMPLING:
+        kw = dict(num_samples=3, max_new_tokens=24, compile=False, record_routing=True, **kw)
+        together = generate(model, prompts, **kw)
+        for i, prompt in enumerate(prompts):
+            seed = kw.get("seed", 0) * 1_000_003 + i  # the seed generate gives prompt i
+            alone = generate(model, [prompt], **{**kw, "seed": [seed]})
+            assert_same(alone, together[3 * i:3 * i + 3])
+            for a, b in zip(alone, together[3 * i:3 * i + 3]):
+                assert (a.routing is None) == (model.config.num_experts == 0)
+                assert a.routing is None or torch.equal(a.routing, b.routing)
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("limits", [dict(max_rows=1), dict(max_rows=3), dict(blocks=5),
+                                    dict(blocks=7), dict(blocks=12, max_rows=5)])
+def test_budgets_and_row_caps_keep_every_sample(tiny, family, limits):
+    """A pool of one row's worth (5 blocks: 4 for 20 + 40 positions, and the scratch block), a
+    few rows' worth, row caps of 1 and 3: admission waits, preemptions, the same samples."""
+    model = tiny(family)
+    prompts = prompts_of(model)
+    kw = dict(num_samples=3, max_new_tokens=40, temperature=1.0, seed=5, stop_token_ids=[9, 17],
+              compile=False, record_routing=True)
+    want = generate(model, prompts, **kw)
+    stats = {}
+    blocks = limits.get("blocks")
+    got = generate(model, prompts, kv_budget=budget(model, blocks) if blocks else None,
+                   max_rows=limits.get("max_rows"), stats=stats, **kw)
+    assert_same(got, want)
+    assert [c.prompt_index for c in got] == [c.prompt_index for c in want]
+    for a, b in zip(got, want):
+        assert a.routing is None or torch.equal(a.routing, b.routing)
+    assert stats["waits"] > 0 and stats["blocks_in_use"] == 0
+    assert stats["peak_blocks"] <= stats["pool_blocks"] - 1
+    if blocks:
+        assert stats["pool_blocks"] == blocks and stats["preemptions"] > 0, stats
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_block_sizes_keep_every_sample(tiny, block_size):
+    model = tiny("gemma3")  # sliding layers with a window of 16 and their own rotary base
+    prompts = prompts_of(model)
+    kw = dict(num_samples=2, max_new_tokens=30, temperature=1.0, seed=6, compile=False)
+    stats = {}
+    assert_same(generate(model, prompts, block_size=block_size, stats=stats, **kw),
+                generate(model, prompts, **kw))
+    assert stats["blocks_in_use"] == 0
+
+
+def test_a_prompt_is_prefilled_once_for_its_samples(tiny):
+    """The prefill computes sum(prompt lengths) positions, not G times that: the samples share
+    the prompt's blocks (a partly filled last block is copied when a sample first writes)."""
+    model = tiny("llama3")
+    prompts = prompts_of(model)
+    stats = {}
+    generate(model, prompts, num_samples=8, max_new_tokens=5, temperature=1.0, stats=stats)
+    assert stats["prefill_tokens"] == sum(map(len, prompts))
+    # Blocks at the peak: each prompt's one shared block (all under 16 tokens but the last, 2),
+    # plus at most one block of its own per sample.
+    assert stats["peak_blocks"] <= 6 + 8 * len(prompts)
+
+
+def test_a_budget_16x_below_the_static_cache(tiny):
+    """The static cache of all rows at once (rows x (longest prompt + max_new_tokens) positions)
+    would need 16x the pool: the call runs within the pool, same samples."""
+    model = tiny("llama3")
+    prompts = prompts_of(model, lengths=(10, 12, 9, 11))
+    kw = dict(num_samples=8, max_new_tokens=52, temperature=1.0, seed=7, stop_token_ids=[],
+              compile=False)
+    stats = {}
+    got = generate(model, prompts, kv_budget=budget(model, 9, 8), block_size=8, stats=stats, **kw)
+    static_bytes = 32 * (12 + 52) * stats["block_bytes"] // 8
+    assert static_bytes >= 16 * stats["pool_blocks"] * stats["block_bytes"]
+    assert stats["peak_blocks"] * stats["block_bytes"] <= static_bytes / 16
+    assert stats["preemptions"] > 0
+    assert_same(got, generate(model, prompts, **kw))
+
+
+def test_a_row_that_cannot_fit_alone_is_refused_before_any_work(tiny):
+    model = tiny("llama3")
+    with pytest.raises(ValueError, match=r"needs 4 blocks of 16 positions .* holds 4 blocks, one of them scratch"):
+        generate(model, [[5] * 20], max_new_tokens=40, kv_budget=budget(model, 4))
+    for bad in (dict(block_size=0), dict(max_rows=0), dict(prefill_tokens=0)):
+        with pytest.raises(ValueError, match="block_size, prefill_tokens and max_rows"):
+            generate(model, [[5, 6]], max_new_tokens=4, **bad)
+
+
+def test_prefill_in_chunks_keeps_every_sample(tiny):
+    """Prompts prefilled a few positions at a time (chunks of a prompt, and prompts sharing a
+    chunk) give the same samples as one prefill."""
+    model = tiny("mistral")
+    prompts = prompts_of(model, lengths=(7, 30, 3, 19))
+    kw = dict(num_samples=2, max_new_tokens=12, temperature=1.0, seed=8, compile=False)
+    stats = {}
+    assert_same(generate(model, prompts, prefill_tokens=5, stats=stats, **kw),
+                generate(model, prompts, **kw))
+    assert stats["prefill_tokens"] == 59
