@@ -139,6 +139,12 @@ def sampling_flags(g):
                         "step on CUDA only: on a CPU its compile time outweighs its gain in a short "
                         "run; off: all eager, the readable reference; a Mixture-of-Experts model "
                         "stays eager)")
+    g.add_argument("--kv-budget", type=float, default=0.0,
+                   help="GiB of KV-cache blocks the sampler may hold (0: every row at its longest; "
+                        "on CUDA at most 90%% of the memory free when a rollout starts); rows beyond "
+                        "it wait or are preempted and recomputed, the samples unchanged")
+    g.add_argument("--max-rows", type=int, default=0,
+                   help="most rows the sampler runs at once (0: all of a rank's rows)")
     g.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,
                    help="DAPO eq. 11: drop groups whose answers are all right or all wrong, refill")
     g.add_argument("--max-refills", type=int, default=10, help="extra rollout rounds per step")
@@ -314,7 +320,7 @@ def read_saved_config(run_dir, parser):
 # Every numeric flag: what it must be (checked after the preset and config.json are merged in).
 POSITIVE_INTS = ["steps", "eval_limit", "prompts_per_step", "max_new_tokens", "mini_batches",
                  "micro_batch_size"]
-NONNEGATIVE_INTS = ["seed", "checkpoint_every", "lora_rank", "eval_every", "max_refills",
+NONNEGATIVE_INTS = ["seed", "checkpoint_every", "lora_rank", "eval_every", "max_refills", "max_rows",
                     "warmup_steps", "eval_samples", "log_samples"]
 POSITIVE_FLOATS = ["checkpoint_minutes", "lora_alpha", "temperature", "overlong_cache", "eval_temperature",
                    "ppl_window", "gkl_gamma", "gkl_temperature", "gkl_weight_temperature",
@@ -322,7 +328,7 @@ POSITIVE_FLOATS = ["checkpoint_minutes", "lora_alpha", "temperature", "overlong_
 NONNEGATIVE_FLOATS = ["time_limit", "format_weight", "ppl_threshold", "efficiency_weight",
                       "eps_high", "entropy_coef", "kl_coef", "gkl_alpha", "gkl_beta",
                       "weight_decay", "tis_cap", "tis_floor", "router_aux_coef", "kl_cov_coef",
-                      "reward_kl_coef"]
+                      "reward_kl_coef", "kv_budget"]
 OTHER_FLOATS = ["correct_reward", "wrong_reward", "eps_low", "clip_c", "top_p", "eval_top_p",
                 "curriculum", "high_entropy_fraction", "clip_cov_low", "clip_cov_high"]
 
@@ -492,7 +498,8 @@ def sampling_options(args, stop_ids):
     seeds)."""
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                 stop_token_ids=stop_ids, compile=compile_choice(args),
-                record_routing=args.routing_replay)
+                record_routing=args.routing_replay, kv_budget=args.kv_budget or None,
+                max_rows=args.max_rows or None)
 
 
 def reward_options(args, completion):

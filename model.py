@@ -151,13 +151,17 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.write(layer, k, v)  # (B, Hkv, S, D): everything cached so far
-        if self.softcap or T == 1:
-            # Gemma 2's tanh fits no fused kernel; a decode step (one query row) is two small
-            # matrix products: on the CPU 5-10x faster than SDPA's flash kernel (`python bench.py
-            # sampler`), and on CUDA it reads the grouped heads in place, where SDPA with a mask
-            # and grouped heads falls back to its math path over copied heads.
+        if cache is not None:  # the sampler: each row's keys and values through its block table
+            k, v = cache.write(layer, k, v)  # (Hkv, B, S, D), heads first
+            if self.softcap or T == 1:
+                y = attend_paged(q, k, v, mask, self.scale, self.softcap)
+            else:  # a prefill chunk
+                y = attend(q, k.transpose(0, 1), v.transpose(0, 1), mask, expand_kv=q.is_cuda,
+                           scale=self.scale)
+        elif self.softcap or T == 1:
+            # Gemma 2's tanh fits no fused kernel; one query row is two small matrix products
+            # (on the CPU 5-10x faster than SDPA's flash kernel; on CUDA they read the grouped
+            # heads in place, where SDPA with a mask and grouped heads copies them).
             y = attend_grouped(q, k, v, mask, self.scale, self.softcap)
         else:
             y = attend(q, k, v, mask, expand_kv=q.is_cuda and mask is not None and T > 1,
@@ -196,12 +200,9 @@ def attend_grouped(q, k, v, mask, scale=None, cap=None):
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     qg = q.reshape(B, Hkv, Hq // Hkv * T, D)  # (B, Hkv, G*T, D): a group's query heads stacked
-    # The products batch over (B, Hkv), or over (Hkv, B) where the keys are laid out that way
-    # (the paged cache's gather), so that they read keys and values in place, never copied.
-    order = (lambda t: t.transpose(0, 1)) if k.transpose(0, 1).is_contiguous() else (lambda t: t)
-    # k q^T, not q k^T: keys the matrix product reads in place as its left operand, it copies
-    # (3x slower on the CPU) when transposed.
-    scores = order(order(k) @ order(qg).transpose(-1, -2)).transpose(-1, -2)  # (B, Hkv, G*T, S)
+    # k q^T, not q k^T: a strided view of keys the matrix product reads in place as its left
+    # operand, but copies (3x slower on the CPU) when transposed.
+    scores = (k @ qg.transpose(-1, -2)).transpose(-1, -2)  # (B, Hkv, G*T, S)
     # Scaled and capped in the input's dtype, softmax in float32: transformers' rounding.
     scores = scores.reshape(B, Hkv, Hq // Hkv, T, S) * (scale or D ** -0.5)
     if cap:
@@ -210,8 +211,24 @@ def attend_grouped(q, k, v, mask, scale=None, cap=None):
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
     scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask (B, 1, 1, T, S)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    y = order(order(probs.view(B, Hkv, -1, S)) @ order(v))  # (B, Hkv, G*T, D)
-    return y.reshape(B, Hq, T, D)
+    return (probs.view(B, Hkv, -1, S) @ v).view(B, Hq, T, D)  # (B, Hq, T, D)
+
+
+def attend_paged(q, k, v, mask, scale=None, cap=None):
+    """`attend_grouped` over keys and values laid out heads first, as `PagedKVCache.write`
+    gathers them: q (b, Hq, T, D), k and v (Hkv, b, S, D), mask (b, 1, T, S) bool. Batched over
+    (Hkv, b), the matrix products read the gathered keys in place.
+    Forms the (b, Hq, T, S) scores: decode steps, and Gemma 2's soft cap."""
+    b, Hq, T, D = q.shape
+    Hkv, S = k.shape[0], k.shape[2]
+    qh = q.reshape(b, Hkv, Hq // Hkv * T, D).transpose(0, 1)  # (Hkv, b, G*T, D)
+    scores = (qh @ k.transpose(-1, -2)).view(Hkv, b, Hq // Hkv, T, S) * (scale or D ** -0.5)
+    if cap:
+        scores = cap * torch.tanh(scores / cap)
+    scores = scores.masked_fill(~mask[None], float("-inf"))  # mask (1, b, 1, T, S)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    y = probs.view(Hkv, b, -1, S) @ v  # (Hkv, b, G*T, D)
+    return y.transpose(0, 1).reshape(b, Hq, T, D)
 
 
 class MLP(nn.Module):
@@ -269,8 +286,8 @@ class PagedKVCache:
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device):
-        # Keys and values of a layer in one tensor, heads first: one gather reads both, and each
-        # head's rows come out contiguous, as attend_grouped multiplies them.
+        # Keys and values of a layer in one tensor, heads first: one gather reads both, and comes
+        # out as attend_paged multiplies it, batched over (heads, rows), with no copy.
         shape = (2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # (2, Hkv, N, bs, D)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.block_size = block_size
@@ -279,14 +296,14 @@ class PagedKVCache:
         self.tables = None  # (b, nb) each row's blocks, padded with block 0
 
     def write(self, layer, k, v):
-        """Stores k, v (b, Hkv, T, D) at `slots` and returns each row's keys and values, (b, Hkv,
+        """Stores k, v (b, Hkv, T, D) at `slots` and returns each row's keys and values, (Hkv, b,
         S, D) with S = nb * block_size, position s at index s (a gather through the tables)."""
         b, H, T, D = k.shape
         pool = self.kv[layer]
         new = torch.stack((k, v)).transpose(1, 2).reshape(2, H, b * T, D)  # (2, Hkv, b*T, D)
         pool.view(2, H, -1, D).index_copy_(2, self.slots, new)
         rows = pool.index_select(2, self.tables.view(-1)).view(2, H, b, -1, D)  # (2, Hkv, b, S, D)
-        return rows[0].transpose(0, 1), rows[1].transpose(0, 1)  # (b, Hkv, S, D) views
+        return rows[0], rows[1]
 
     def copy_block(self, source: int, target: int):
         """Copies one block's keys and values in every layer (a shared block a row writes into)."""

@@ -48,7 +48,11 @@ SAMPLING = [dict(temperature=0.0), dict(temperature=1.0, seed=3, stop_token_ids=
             dict(temperature=0.8, top_p=0.9, top_k=20, seed=4)]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+QUICK = ("llama3", "qwen3_moe")  # the other families in the full tier
+
+
+@pytest.mark.parametrize("family", [f if f in QUICK else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in FAMILIES])
 def test_all_rows_at_once_equal_each_prompt_alone(tiny, family):
     """Every family (sliding windows past their width, soft caps, MoE with its routing recorded),
     greedy, sampled, truncated, with stop tokens."""
