@@ -3,6 +3,7 @@ never absolute times, compare across machines; every report names its CPU or GPU
 
     python bench.py sampler   # rollout.generate eager and compiled vs transformers' generate eager
                               # and static-cache compiled: tok/s, ratios, matmul-only bound, compile
+    python bench.py engine    # RL's long tail under a KV budget: static waves vs the paged engine
     python bench.py update    # forward + backward + AdamW tok/s (fp32, bf16 autocast), log-prob memory
     python bench.py moe       # a small Qwen3-MoE's forward + backward tok/s
     python bench.py sampler --device cuda --model DIR   # on a GPU (recipes/gpu-check.sh makes DIR)
@@ -149,6 +150,90 @@ def bench_sampler(args):
             ratio = rate[name] / rate["transformers eager"]
             print(f"  {name:30s} {rate[name]:7.0f} tok/s  {ratio:5.2f}x  {rate[name] / bound:4.0%} "
                   f"of the bound  first call {first[name]:6.1f} s")
+
+
+# ----------------------------------------------------------------------------- the engine
+
+def long_tail_stops(vocab_size, new_tokens, at_limit=0.05):
+    """Stop ids that end a near-uniform draw with probability p each step, p such that a fraction
+    `at_limit` of rows reaches `new_tokens`: (1 - p)^N = at_limit. Lengths then fall like RL's,
+    most short and a few at the limit."""
+    p = 1 - at_limit ** (1 / new_tokens)
+    return list(range(vocab_size - round(p * vocab_size), vocab_size))
+
+
+def waves_that_fit(prompts, samples, new_tokens, budget_blocks, block_size=16):
+    """Static batching under a KV budget: consecutive runs of prompts whose rows, each at its
+    longest, fit in budget_blocks (the scratch block included)."""
+    waves, used = [[]], 1
+    for prompt in prompts:
+        need = samples * -(-(len(prompt) + new_tokens) // block_size)
+        if waves[-1] and used + need > budget_blocks:
+            waves.append([])
+            used = 1
+        waves[-1].append(prompt)
+        used += need
+    return waves
+
+
+def bench_engine(args):
+    """RL's long tail under one KV budget (a quarter of what every row at its longest needs):
+    static batching in waves of the rows that fit, each wave waiting for its longest row, against
+    the paged engine's continuous batching; and both with no budget. The same kernels and the
+    same samples (checked); the model samples near uniformly (temperature 10^4) and
+    `long_tail_stops` draws the lengths."""
+    device = torch.device(args.device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    model = pack_linears(model)
+    prompts, G, N = bench_prompts(tokenizer, args.prompts), args.samples, args.new_tokens
+    stops = long_tail_stops(model.config.vocab_size, N)
+    static = 1 + sum(G * -(-(len(p) + N) // 16) for p in prompts)  # blocks: every row at its longest
+    budget_blocks = static // 4
+    block_bytes = 2 * model.config.num_layers * 16 * model.config.num_kv_heads * \
+        model.config.head_dim * dtype.itemsize
+    waves = waves_that_fit(prompts, G, N, budget_blocks)
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"{cpu_name()}, {torch.get_num_threads()} threads")
+    print(f"{len(prompts)} prompts x {G} samples, up to {N} new tokens, {len(stops)} stop ids "
+          f"(5% of rows at the limit), {where}; KV budget {budget_blocks} blocks of 16 "
+          f"({budget_blocks * block_bytes / 2**20:.0f} MiB, 1/4 of {static}); waves of "
+          f"{[len(w) * G for w in waves]} rows")
+    sampling = dict(num_samples=G, max_new_tokens=N, temperature=1e4, stop_token_ids=stops,
+                    compile=False)
+    stats = {}
+
+    def run(name):
+        if name == "static waves":
+            out = []
+            for w, wave in enumerate(waves):
+                start = sum(len(v) for v in waves[:w])
+                out += generate(model, wave, seed=[7 * 1_000_003 + start + i
+                                                   for i in range(len(wave))], **sampling)
+            return out
+        budget = budget_blocks * block_bytes / 2**30 if name == "paged, budget" else None
+        return generate(model, prompts, seed=7, kv_budget=budget, stats=stats.setdefault(name, {}),
+                        **sampling)
+    names = ["static waves", "paged, budget", "paged, no budget"]
+    outputs = {name: run(name) for name in names}  # warm-up, and the samples compared
+    tokens = sum(len(c.tokens) for c in outputs[names[0]])
+    for name in names[1:]:
+        assert [c.tokens for c in outputs[name]] == [c.tokens for c in outputs[names[0]]], name
+    times = {name: [] for name in names}
+    for _ in range(args.repeats):
+        for name in names:
+            times[name].append(timed(lambda: run(name), device))
+    lengths = sorted(len(c.tokens) for c in outputs[names[0]])
+    print(f"{tokens} tokens; lengths: median {lengths[len(lengths) // 2]}, "
+          f"{sum(n == N for n in lengths)} of {len(lengths)} at the limit")
+    for name in names:
+        rate = tokens / statistics.median(times[name])
+        held = max(1 + sum(G * -(-(len(p) + N) // 16) for p in w) for w in waves) \
+            if name == "static waves" else stats[name]["pool_blocks"]
+        extra = (f", peak {stats[name]['peak_blocks']} in use, {stats[name]['preemptions']} "
+                 f"preemptions" if name in stats else "")
+        print(f"  {name:17s} {rate:7.0f} tok/s  {rate * statistics.median(times[names[0]]) / tokens:5.2f}x"
+              f"  KV pool {held * block_bytes / 2**20:6.0f} MiB{extra}")
 
 
 # ----------------------------------------------------------------------------- the update
@@ -324,7 +409,7 @@ def bench_moe(args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["sampler", "update", "moe"])
+    parser.add_argument("what", choices=["sampler", "engine", "update", "moe"])
     parser.add_argument("--model", default=None, help="checkpoint dir / .gguf / hub id "
                         "(default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (moe and the memory part: "
@@ -364,6 +449,8 @@ def main(argv=None):
     try:  # a model that is not there, or only partly: one line, no traceback
         if args.what == "sampler":
             bench_sampler(args)
+        elif args.what == "engine":
+            bench_engine(args)
         elif args.what == "update":
             if device.type == "cpu":
                 bench_memory(args)

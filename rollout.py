@@ -231,7 +231,9 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     The engine: kv_budget, GiB of KV blocks (None: every row at its longest on a CPU; on CUDA
     also at most 90% of the free memory, see `pool_blocks`); max_rows running at once (None: all);
     block_size, positions a block holds; prefill_tokens, the most prompt tokens one prefill
-    forward computes. stats: a dict to fill with the engine's counts (`Engine.stats`).
+    forward computes. stats: a dict the call fills with the engine's counts: waits, preemptions,
+    prefill_tokens, decode_steps, pool_blocks, peak_blocks, blocks_in_use (0 at the end),
+    block_bytes.
     -> list[Completion], prompt-major. The same seed gives the same samples, whatever the budget.
     """
     counts, seeds = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p,
@@ -245,15 +247,9 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     keys = sample_keys(seeds, counts).to(model.device)  # (B,) each row's random stream
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
     step_fn = step_function(model, compile, record)
-    rows = [Row(r, i, list(prompts[i])) for r, i in enumerate(
-        i for i, c in enumerate(counts) for _ in range(c))]
-    if record:  # -1: dense layers, and positions never fed
-        cfg = model.config
-        for row in rows:
-            row.routes = torch.full((len(row.prompt) + max_new_tokens, cfg.num_layers,
-                                     cfg.experts_per_token), -1, dtype=torch.int16)
-    for i, group in enumerate(prompt_groups(rows, counts)):
-        engine.waiting.append(Prefill(group, list(prompts[i])))
+    rows = new_rows(model, prompts, counts, max_new_tokens, record)
+    engine.waiting.extend(Prefill(group, list(prompts[i]))
+                          for i, group in enumerate(prompt_groups(rows, counts)))
     stop_ids, steps = set(stop_token_ids), 0
     while engine.busy():
         engine.admit()
@@ -265,9 +261,7 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
         if stream and steps % (check_every or 1) == 0:
             stream(tokens_so_far(rows))
     if stats is not None:
-        stats.update(engine.stats, peak_blocks=engine.pool.peak, pool_blocks=engine.pool.size,
-                     blocks_in_use=engine.pool.size - 1 - len(engine.pool.free),
-                     block_bytes=engine.cache.block_bytes)
+        stats.update(engine.counts())
     return [row.completion() for row in rows]
 
 
@@ -302,6 +296,18 @@ class Prefill:
     @property
     def fresh(self):  # a prompt's first prefill: its logits give each row's first token
         return not self.rows[0].tokens
+
+
+def new_rows(model, prompts, counts, max_new_tokens, record):
+    """One Row per sample, prompt-major; recording routes, each with its (P + N_new, L, k) buffer
+    (-1: dense layers, and positions never fed)."""
+    rows = [Row(r, i, list(prompts[i])) for r, i in enumerate(
+        i for i, c in enumerate(counts) for _ in range(c))]
+    cfg = model.config
+    for row in rows if record else ():
+        row.routes = torch.full((len(row.prompt) + max_new_tokens, cfg.num_layers,
+                                 cfg.experts_per_token), -1, dtype=torch.int16)
+    return rows
 
 
 def prompt_groups(rows, counts):
@@ -378,6 +384,12 @@ class Engine:
 
     def busy(self):
         return bool(self.waiting or self.prefilling or self.decoding)
+
+    def counts(self):
+        """What generate's `stats` receives."""
+        return dict(self.stats, peak_blocks=self.pool.peak, pool_blocks=self.pool.size,
+                    blocks_in_use=self.pool.size - 1 - len(self.pool.free),
+                    block_bytes=self.cache.block_bytes)
 
     def admit(self):
         """Moves queued prefills in, oldest first, while blocks (a prompt's, plus one of its own

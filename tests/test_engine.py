@@ -154,3 +154,16 @@ def test_prefill_in_chunks_keeps_every_sample(tiny):
     assert_same(generate(model, prompts, prefill_tokens=5, stats=stats, **kw),
                 generate(model, prompts, **kw))
     assert stats["prefill_tokens"] == 59
+
+
+def test_the_long_tail_workload_of_bench_engine():
+    """bench.py engine: stop ids a fraction p of the vocabulary with (1 - p)^N = 5%, and waves
+    of whole prompts whose rows fit the budget at their longest."""
+    from bench import long_tail_stops, waves_that_fit
+    stops = long_tail_stops(10_000, 100)
+    p = len(stops) / 10_000
+    assert stops[-1] == 9_999 and (1 - p) ** 100 == pytest.approx(0.05, rel=0.02)
+    prompts = [[1] * 10, [1] * 30, [1] * 5, [1] * 20]  # 2 samples, 22 new: 2, 4, 2, 3 blocks of 16
+    assert waves_that_fit(prompts, 2, 22, budget_blocks=9) == [prompts[:1], prompts[1:2],
+                                                               prompts[2:3], prompts[3:]]
+    assert waves_that_fit(prompts, 2, 22, budget_blocks=13) == [prompts[:2], prompts[2:]]

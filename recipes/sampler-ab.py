@@ -1,0 +1,85 @@
+"""Another checkout's sampler against this one's, side by side in one process, on the bundled
+model: tok/s of rollout.generate (eager, packed products, as train.py samples) and whether the
+two draw the same tokens.
+
+    git worktree add /tmp/before <commit>
+    python recipes/sampler-ab.py /tmp/before [--prompts 8 --samples 8 --new-tokens 64 --stops]
+
+Each checkout's model.py, moe.py, rollout.py and checkpoints.py are imported on their own (speed.py
+once: its op registers once per process); the runs alternate, after a warm-up call of each.
+"""
+
+import argparse
+import importlib
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OWN = ("model", "moe", "rollout", "checkpoints", "lora", "quant")  # imported once per checkout
+
+
+def import_checkout(path):
+    """-> {name: module} of the checkout at path, without disturbing sys.modules."""
+    saved = {name: sys.modules.pop(name) for name in OWN if name in sys.modules}
+    sys.path.insert(0, path)
+    try:
+        return {name: importlib.import_module(name) for name in ("rollout", "checkpoints")}
+    finally:
+        sys.path.remove(path)
+        for name in OWN:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("before", help="a checkout of this repository (e.g. a git worktree)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--stops", action="store_true", help="stop at the chat template's end of "
+                        "turn (replies of their own lengths) instead of running to the limit")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if not os.path.isfile(os.path.join(args.before, "rollout.py")):
+        parser.error(f"{args.before}: no rollout.py there; give a checkout of this repository")
+    sys.path.insert(0, HERE)
+    import bench  # noqa: E402 (this checkout's; speed.py comes with it, once)
+    from speed import pack_linears
+    paths = {}
+    for name, path in (("before", os.path.abspath(args.before)), ("this", HERE)):
+        modules = import_checkout(path)
+        model, tokenizer = modules["checkpoints"].load_model(None, dtype=torch.float32, device="cpu")
+        stops = modules["rollout"].stop_token_ids(tokenizer) if args.stops else []
+        paths[name] = (modules["rollout"].generate, pack_linears(model), stops)
+    prompts = bench.bench_prompts(tokenizer, args.prompts)
+    times, tokens = {name: [] for name in paths}, {name: [] for name in paths}
+    for repeat in range(args.repeats + 1):  # the first round warms up
+        for name, (generate, model, stops) in paths.items():
+            start = time.perf_counter()
+            out = generate(model, prompts, num_samples=args.samples, temperature=0.8, seed=repeat,
+                           max_new_tokens=args.new_tokens if repeat else 4, stop_token_ids=stops,
+                           compile=False)
+            if repeat:
+                times[name].append(time.perf_counter() - start)
+                tokens[name].append([c.tokens for c in out])
+    drawn = [sum(map(len, run)) for run in tokens["this"]]
+    print(f"{args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
+          f"stops {'on' if args.stops else 'off'}, {bench.cpu_name()}, "
+          f"{torch.get_num_threads()} threads; tokens a run {drawn}")
+    for name in paths:
+        median = statistics.median(times[name])
+        print(f"  {name:6s} {statistics.mean(drawn) / median:7.1f} tok/s  median {median:.2f} s  "
+              f"{[round(t, 2) for t in times[name]]}")
+    for repeat, (a, b) in enumerate(zip(tokens["before"], tokens["this"])):
+        differ = [row for row, (x, y) in enumerate(zip(a, b)) if x != y]
+        print(f"  run {repeat + 1}: {len(a) - len(differ)} of {len(a)} rows the same tokens"
+              + (f" (rows {differ} differ)" if differ else ""))
+
+
+if __name__ == "__main__":
+    main()
