@@ -456,6 +456,14 @@ def load_model(name_or_path=None, *, dtype=None, device=None):
     return _load_hub(path, dtype, device)  # a hub id (needs a network)
 
 
+def current_umask() -> int:
+    """The process's umask (only settable in Python, so set and put back). Files written through
+    a temporary name get its permissions, not the temporary file's private ones."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save_model(model: Transformer, tokenizer, out_dir: str):
     """Writes safetensors + config.json + tokenizer for transformers/vLLM, atomically.
 
@@ -483,6 +491,7 @@ def save_model(model: Transformer, tokenizer, out_dir: str):
     parent = os.path.dirname(os.path.abspath(out_dir)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-save-", dir=parent)
+    os.chmod(tmp, 0o777 & ~current_umask())  # as any folder the user makes (mkdtemp's is 0700)
     try:
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:

@@ -98,6 +98,7 @@ def write_jsonl_atomic(path, rows):
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".eval-", suffix=".tmp", dir=folder)
+    os.chmod(tmp, 0o666 & ~checkpoints.current_umask())  # as any file the user writes (not 0600)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for row in rows:

@@ -335,7 +335,8 @@ def summary_table(loaded):
             [next((e["step"] for e in run["eval"] if e["pass@1"] >= target), math.nan) for run in group],
             [_mean([r["tokens_per_second_rollout"] for r in run["metrics"]]) for run in group],
             [_mean([r["tokens_per_second_update"] for r in run["metrics"]]) for run in group],
-            [max([r.get("peak_memory_mib") or 0 for r in run["metrics"]] or [0]) for run in group]]
+            [max((r["peak_memory_mib"] for r in run["metrics"] if r.get("peak_memory_mib")),
+                 default=None) for run in group]]  # a run stopped before its first step: none
         formats = ["{:.1%}", "{:.1%}", "{:.0f}", "{:.0f}", "{:.0f}", "{:.0f}"]
         cells = [_mean_and_spread(values, fmt) for values, fmt in zip(columns, formats)]
         lines.append(f"| {label} | {len(group)} | " + " | ".join(cells) + " |")

@@ -234,6 +234,22 @@ def test_save_model_replaces_atomically(tiny_ckpt, tmp_path):
         assert max_diff(load_model(out)[0](ids), ours(ids)) <= TOL
 
 
+def test_saved_model_and_eval_results_follow_the_umask(tiny_ckpt, tmp_path):
+    """final/ and eval.py's results are written under temporary names (private, 0700 and 0600,
+    by default) and renamed: they get the permissions the user's umask gives any file."""
+    import stat
+    import eval as ev
+    ours, tok = load_model(tiny_ckpt("llama"))
+    old = os.umask(0o022)
+    try:
+        save_model(ours, tok, str(tmp_path / "final"))
+        ev.write_jsonl_atomic(str(tmp_path / "results.jsonl"), [{"a": 1}])
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "final").st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(tmp_path / "results.jsonl").st_mode) == 0o644
+
+
 # ---------------------------------------------------------------------------------------------
 # Clear errors
 # ---------------------------------------------------------------------------------------------

@@ -131,3 +131,15 @@ def test_same_run_refuses_bad_input_in_one_line(tmp_path):
         proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "same-run.py"), *argv],
                               capture_output=True, text=True)
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_run_stopped_before_its_first_step_is_no_zero_in_the_means():
+    """runs.py's table skips a run with no step in every column, peak memory too: the mean is the
+    other runs', not pulled towards 0 MiB."""
+    import runs
+    step = {"step": 1, "tokens_per_second_rollout": 100.0, "tokens_per_second_update": 50.0,
+            "peak_memory_mib": 900.0}
+    done = {"label": "a", "eval": [{"step": 1, "pass@1": 0.5}], "metrics": [step]}
+    stopped = {"label": "a", "eval": [], "metrics": []}
+    row = runs.summary_table([done, stopped]).splitlines()[-1]
+    assert row == "| a | 2 | 50.0% | 50.0% | 1 | 100 | 50 | 900 |", row
