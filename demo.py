@@ -117,12 +117,34 @@ def read_request(query, answerers):
 class Handler(BaseHTTPRequestHandler):
     """The page, the problems, and one streamed answer per request. The server object carries
     `answerers` (name -> Answerer), `problems` (a list of {"prompt", "answer"}) and `hosts` (the
-    Host headers it answers: another site's page that points a browser here is refused)."""
+    Host headers it answers). Another site's page that points a browser here is refused
+    (`from_elsewhere`); a request it cannot parse gets the standard 4xx/5xx reply."""
     timeout = 60  # seconds: a page that stops reading frees its model
+    default_request_version = "HTTP/1.0"  # an unparsed request's error reply has a status line
+
+    def handle(self):
+        """Every request; a client gone before its reply is sent ends it quietly."""
+        try:
+            super().handle()
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            pass
+
+    def from_elsewhere(self):
+        """A request that another site's page made a browser send: a Host other than ours, or
+        (for sampling, which costs the machine) a browser's word that it is cross-site
+        (Sec-Fetch-Site) or an Origin that is not ours."""
+        if self.headers.get("Host", "").rsplit(":", 1)[0] not in self.server.hosts:
+            return True
+        if not urlparse(self.path).path.startswith("/answer"):
+            return False  # the page itself may be opened from a link anywhere
+        origin = urlparse(self.headers.get("Origin", ""))
+        return self.headers.get("Sec-Fetch-Site", "same-origin") not in ("same-origin", "none") \
+            or (self.headers.get("Origin") is not None
+                and origin.hostname not in {host.strip("[]") for host in self.server.hosts})
 
     def do_GET(self):
         url = urlparse(self.path)
-        if self.headers.get("Host", "").rsplit(":", 1)[0] not in self.server.hosts:
+        if self.from_elsewhere():
             self.send_error(403, "this demo answers pages it serves itself")
         elif url.path == "/":
             page = PAGE.replace("MAX_QUESTION_CHARS", str(MAX_QUESTION_CHARS)).replace(
@@ -171,9 +193,10 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def log_message(self, format, *args):  # one line a request on stderr, not the default's two
-        if not self.path.startswith("/answer"):
+        path = getattr(self, "path", None)  # None: a request line that could not be read
+        if path is None or not path.startswith("/answer"):
             return
-        sys.stderr.write(f"demo.py: {self.address_string()} {urlparse(self.path).path}\n")
+        sys.stderr.write(f"demo.py: {self.address_string()} {urlparse(path).path}\n")
 
 
 # ---- the page ----------------------------------------------------------------------------------

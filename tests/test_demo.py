@@ -239,3 +239,58 @@ def test_an_address_it_cannot_listen_on_is_one_line(models):
                           text=True, timeout=120)
     assert proc.returncode == 2 and "argument --host/--port: cannot listen on no-such-host.invalid" \
         in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def raw_request(port, data):
+    """Sends raw bytes, closes the writing side, -> the reply's bytes."""
+    import socket
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply
+
+
+def test_requests_it_cannot_parse_get_a_reply_and_no_traceback(capfd):
+    """A malformed request line, an over-long one, an unknown HTTP version: each a 4xx/5xx reply;
+    a client that leaves before its page is sent: nothing. The server's terminal shows no
+    traceback, and it goes on answering."""
+    import socket
+    server = serve_in_thread({"trained": MarkupAnswerer(), "base": MarkupAnswerer()}, [])
+    port = server.server_address[1]
+    try:
+        assert raw_request(port, b"NONSENSE\r\n\r\n").startswith(b"HTTP/1.0 400")
+        assert raw_request(port, b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n").startswith(
+            b"HTTP/1.0 414")
+        assert raw_request(port, b"GET / HTTP/2.7\r\nHost: 127.0.0.1\r\n\r\n").startswith(
+            b"HTTP/1.0 505")
+        for _ in range(20):  # ask for the page and leave at once, unread
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30).read()
+        assert b"<html" in page.lower()
+    finally:
+        server.shutdown()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_another_sites_page_cannot_make_a_browser_sample():
+    """/answer refuses a browser's cross-site request (Sec-Fetch-Site) and a foreign Origin, so a
+    page elsewhere cannot spend the machine; the page itself may be opened from any link."""
+    server = serve_in_thread({"trained": MarkupAnswerer(), "base": MarkupAnswerer()}, [])
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    answer = base + "/answer?model=trained&question=1%2B1"
+    try:
+        for headers in ({"Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "same-site"},
+                        {"Origin": "http://attacker.example"}, {"Origin": "null"}):
+            with pytest.raises(urllib.error.HTTPError, match="403"):
+                urllib.request.urlopen(urllib.request.Request(answer, headers=headers), timeout=30)
+        ok = {"Sec-Fetch-Site": "same-origin", "Origin": base}
+        assert events(urllib.request.Request(answer, headers=ok))[-1][0] == "done"
+        page = urllib.request.Request(base + "/", headers={"Sec-Fetch-Site": "cross-site"})
+        assert urllib.request.urlopen(page, timeout=30).status == 200
+    finally:
+        server.shutdown()
