@@ -436,6 +436,11 @@ def main(argv=None):
         device = torch.device(args.device)
     except RuntimeError:
         parser.error(f"--device {args.device}: not a device name (cpu, cuda, cuda:1, ...)")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: this project runs on cpu or cuda")
+    if args.threads < 0 or args.repeats < 1:
+        parser.error(f"--threads must be >= 0 (0: torch's) and --repeats >= 1; got "
+                     f"{args.threads}, {args.repeats}")
     if args.what == "moe" and device.type != "cpu":
         parser.error("moe: --device cpu only")
     if device.type == "cuda" and not torch.cuda.is_available():

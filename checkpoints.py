@@ -298,8 +298,13 @@ def _read_safetensors(directory: str) -> dict:
     elif os.path.exists(os.path.join(directory, "model.safetensors")):
         shards = ["model.safetensors"]
     elif os.path.exists(os.path.join(directory, "pytorch_model.bin")):
-        return torch.load(os.path.join(directory, "pytorch_model.bin"), map_location="cpu",
-                          weights_only=True)
+        path = os.path.join(directory, "pytorch_model.bin")
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # truncated, corrupt, or not tensors alone; torch's own message
+            # would advise weights_only=False, which runs the file's code: never to be told
+            raise ValueError(f"{path}: cannot read it as a PyTorch checkpoint of tensors "
+                             f"({type(e).__name__}); re-download or re-save it") from None
     else:
         raise FileNotFoundError(f"{directory}: no model.safetensors, sharded index or "
                                 "pytorch_model.bin")

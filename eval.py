@@ -263,6 +263,8 @@ def main(argv=None):
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as error:
         parser.error(f"argument --device: {error}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"argument --device: {args.device}: this project runs on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"argument --device: {args.device}: CUDA is not available on this machine")
     dtype = resolve_dtype(args.dtype, device)

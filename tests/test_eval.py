@@ -271,6 +271,7 @@ def test_cli_sampled_k_and_default_out(chat_ckpt, tmp_path):
     (["--template", "fancy"], "--template"),
     (["--dtype", "int8"], "--dtype"),
     (["--device", "nonsense"], "--device"),
+    (["--device", "mps"], "--device"),
     (["--model", "/no/such/model-dir", "--limit", "2"], "--model"),
 ])
 def test_bad_flags_name_the_flag(argv, flag, capsys):

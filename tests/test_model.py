@@ -280,6 +280,26 @@ def test_corrupt_safetensors_names_the_file(tmp_path):
         load_model(path)
 
 
+def test_damaged_pytorch_model_bin_is_one_line_that_never_advises_running_its_code(tmp_path):
+    """A truncated pytorch_model.bin, and one that holds more than tensors: a ValueError naming
+    the file, never torch's advice to load it with weights_only=False (which runs its code)."""
+    path = tiny_checkpoint("llama", tmp_path / "ckpt")
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    os.remove(os.path.join(path, "model.safetensors"))
+    weights = os.path.join(path, "pytorch_model.bin")
+    torch.save(tensors, weights)
+    assert load_model(path)[0] is not None  # whole, it loads
+    data = open(weights, "rb").read()
+    for damaged in (data[:len(data) // 2], None):
+        if damaged is None:
+            torch.save({"weights": tensors, "code": os.getcwd}, weights)  # a function inside
+        else:
+            open(weights, "wb").write(damaged)
+        with pytest.raises(ValueError, match="pytorch_model.bin: cannot read it") as error:
+            load_model(path)
+        assert "weights_only" not in str(error.value) and error.value.__cause__ is None
+
+
 def _rewrite_tensors(path, edit):
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)

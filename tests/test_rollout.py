@@ -431,7 +431,9 @@ def test_length_finish(tiny):
                                           (["sampler", "--dtypes", "fp32"], "--dtypes"),
                                           (["moe", "--device", "cuda"], "cpu only"),
                                           (["sampling"], "invalid choice"),
-                                          (["sampler", "--model", "/no/such/model"], "/no/such/model")])
+                                          (["sampler", "--model", "/no/such/model"], "/no/such/model"),
+                                          (["sampler", "--device", "mps"], "runs on cpu or cuda"),
+                                          (["sampler", "--threads", "-1"], "--threads must be")])
 @pytest.mark.slow
 def test_bench_flags_are_checked_before_any_work(flags, named):
     import subprocess
