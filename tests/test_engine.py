@@ -157,13 +157,12 @@ def test_prefill_in_chunks_keeps_every_sample(tiny):
 
 
 def test_the_long_tail_workload_of_bench_engine():
-    """bench.py engine: stop ids a fraction p of the vocabulary with (1 - p)^N = 5%, and waves
-    of whole prompts whose rows fit the budget at their longest."""
-    from bench import long_tail_stops, waves_that_fit
+    """bench.py engine: stop ids a fraction p of the vocabulary with (1 - p)^N = 5%, and four
+    waves of consecutive prompts, the budget what the largest needs at every row's longest."""
+    from bench import long_tail_stops, quarter_waves
     stops = long_tail_stops(10_000, 100)
     p = len(stops) / 10_000
     assert stops[-1] == 9_999 and (1 - p) ** 100 == pytest.approx(0.05, rel=0.02)
-    prompts = [[1] * 10, [1] * 30, [1] * 5, [1] * 20]  # 2 samples, 22 new: 2, 4, 2, 3 blocks of 16
-    assert waves_that_fit(prompts, 2, 22, budget_blocks=9) == [prompts[:1], prompts[1:2],
-                                                               prompts[2:3], prompts[3:]]
-    assert waves_that_fit(prompts, 2, 22, budget_blocks=13) == [prompts[:2], prompts[2:]]
+    prompts = [[1] * 10, [1] * 30, [1] * 5, [1] * 20, [1] * 3]  # 22 new: 2, 4, 2, 3, 2 blocks
+    waves, budget = quarter_waves(prompts, 2, 22)
+    assert waves == [prompts[:2], prompts[2:4], prompts[4:]] and budget == 1 + 2 * (2 + 4)
