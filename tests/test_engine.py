@@ -9,21 +9,10 @@ import pytest
 import torch
 
 from conftest import FAMILIES, random_ids
-from checkpoints import load_model
 from rollout import generate
+from test_rollout import tiny  # noqa: F401 (the fixture: a family's tiny model, loaded once)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_ckpt):
-    cache = {}
-
-    def get(family="llama3"):
-        if family not in cache:
-            cache[family] = load_model(tiny_ckpt(family))[0]
-        return cache[family]
-    return get
 
 
 def prompts_of(model, lengths=(7, 12, 3, 9, 20)):
