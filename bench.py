@@ -23,7 +23,7 @@ import torch
 
 from checkpoints import (_read_safetensors, converted_dir, cpu_has_bf16, empty_model, load_model,
                          load_state_dict_strict, read_config)
-from model import Transformer, token_logprobs
+from model import PagedKVCache, Transformer, token_logprobs
 from speed import compile_blocks, keep_freed_memory, pack_linears, sampling_products
 from rollout import generate
 
@@ -187,8 +187,7 @@ def bench_engine(args):
     stops = long_tail_stops(model.config.vocab_size, N)
     static = 1 + sum(G * -(-(len(p) + N) // 16) for p in prompts)  # blocks: every row at its longest
     waves, budget_blocks = quarter_waves(prompts, G, N)
-    block_bytes = 2 * model.config.num_layers * 16 * model.config.num_kv_heads * \
-        model.config.head_dim * dtype.itemsize
+    block_bytes = PagedKVCache.bytes_per_block(model.config, 16, dtype)
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{cpu_name()}, {torch.get_num_threads()} threads")
     print(f"{len(prompts)} prompts x {G} samples, up to {N} new tokens, {len(stops)} stop ids "

@@ -254,19 +254,25 @@ def load_eval_records(parser, args):
     return records
 
 
+def resolve_device(parser, name):
+    """--device -> a torch.device this project runs on (None: cuda when available, else cpu)."""
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as error:
+        parser.error(f"argument --device: {error}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"argument --device: {name}: this project runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"argument --device: {name}: CUDA is not available on this machine")
+    return device
+
+
 def main(argv=None):
     parser, args = parse_args(argv)
     keep_freed_memory()
     template = args.template or data.default_template(args.data)
     max_new_tokens = args.max_new_tokens or default_max_new_tokens(args.data)
-    try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as error:
-        parser.error(f"argument --device: {error}")
-    if device.type not in ("cpu", "cuda"):
-        parser.error(f"argument --device: {args.device}: this project runs on cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"argument --device: {args.device}: CUDA is not available on this machine")
+    device = resolve_device(parser, args.device)
     dtype = resolve_dtype(args.dtype, device)
     records = load_eval_records(parser, args)  # first: a bad name or file fails in a second
     load_start = time.perf_counter()

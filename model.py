@@ -291,9 +291,14 @@ class PagedKVCache:
         shape = (2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # (2, Hkv, N, bs, D)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.block_size = block_size
-        self.block_bytes = self.kv[0][:, :, 0].numel() * self.kv[0].element_size() * cfg.num_layers
+        self.block_bytes = self.bytes_per_block(cfg, block_size, dtype)
         self.slots = None  # (b*T,) the flat slot each new token's k, v go to
         self.tables = None  # (b, nb) each row's blocks, padded with block 0
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
+        """Keys and values of one block in every layer."""
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
     def write(self, layer, k, v):
         """Stores k, v (b, Hkv, T, D) at `slots` and returns each row's keys and values, (Hkv, b,

@@ -348,8 +348,7 @@ def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget):
     longest, no more; within kv_budget GiB when given, and on CUDA within 90% of the free memory.
     A row that cannot fit alone is refused here, before any work, with the arithmetic."""
     cfg = model.config
-    block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * \
-        model.dtype.itemsize
+    block_bytes = PagedKVCache.bytes_per_block(cfg, block_size, model.dtype)
     longest = [-(-(len(p) + max_new_tokens) // block_size) for p in prompts]  # blocks a row
     blocks = 1 + sum(n * c for n, c in zip(longest, counts))
     budget = kv_budget * 2**30 if kv_budget is not None else None
