@@ -102,9 +102,31 @@ def bench_paths(ours, hf, prompts, args):
         finally:
             del hf.forward  # back to the class's eager forward
 
-    return {"ours eager": lambda: ours_run(False), "ours compiled": lambda: ours_run(True),
-            "transformers eager": lambda: hf_run(False),
-            "transformers static+compiled": hf_static_compiled}
+    paths = {"ours eager": lambda: ours_run(False), "ours compiled": lambda: ours_run(True),
+             "transformers eager": lambda: hf_run(False),
+             "transformers static+compiled": hf_static_compiled}
+    return {name: run for name, run in paths.items() if PATH_KEYS[name] in args.paths}
+
+
+# --paths names each path by a short key (what a shell command can say)
+PATH_KEYS = {"ours eager": "ours", "ours compiled": "ours-compiled", "transformers eager": "hf",
+             "transformers static+compiled": "hf-compiled", "ours": "ours",
+             "ours, blocks compiled": "ours-compiled", "transformers": "hf"}
+
+
+def bandwidth_bound(model: Transformer, rows: int, context: float) -> float:
+    """Decode's memory-bandwidth bound in tok/s: a step reads every weight once (the tied or
+    untied output matrix in full) and each row's keys and values so far, `context` positions on
+    average; the device's bandwidth is measured here by a 1 GiB copy (bytes read + written)."""
+    src = torch.empty(2 ** 29, dtype=torch.bfloat16, device=model.device)
+    dst = torch.empty_like(src)
+    seconds = min(timed(lambda: dst.copy_(src), model.device) for _ in range(5))
+    bytes_per_s = 2 * src.nbytes / seconds
+    weights = sum(p.nbytes for p in model.parameters())
+    kv = rows * context * PagedKVCache.bytes_per_block(model.config, 1, model.dtype)
+    print(f"  bandwidth measured {bytes_per_s / 1e12:.2f} TB/s; a step reads {weights / 1e9:.2f} GB "
+          f"of weights and {kv / 1e9:.2f} GB of keys and values")
+    return rows * bytes_per_s / (weights + kv)
 
 
 def bench_sampler(args):
@@ -132,6 +154,7 @@ def bench_sampler(args):
                                                   dtype=dtype).to(device).eval()
         hf.generation_config.pad_token_id = tokenizer.pad_token_id or 0
         paths = bench_paths(ours, hf, prompts, args)
+        baseline = "transformers eager" if "hf" in args.paths else next(iter(paths))
         first = {}
         for name, run in paths.items():  # compiles here; printed at once, as it can take minutes
             first[name] = timed(run, device)
@@ -146,10 +169,13 @@ def bench_sampler(args):
         plain = rows / matmul_bound_seconds(ours, rows, sampler=False)
         print(f"{str(dtype).replace('torch.', '')}: matmul-only bound {bound:.0f} tok/s "
               f"(on F.linear's kernels: {plain:.0f})")
+        if device.type == "cuda":
+            context = statistics.mean(map(len, prompts)) + args.new_tokens / 2
+            print(f"  memory-bandwidth bound {bandwidth_bound(ours, rows, context):.0f} tok/s")
         for name in paths:
-            ratio = rate[name] / rate["transformers eager"]
-            print(f"  {name:30s} {rate[name]:7.0f} tok/s  {ratio:5.2f}x  {rate[name] / bound:4.0%} "
-                  f"of the bound  first call {first[name]:6.1f} s")
+            ratio = rate[name] / rate[baseline]
+            print(f"  {name:30s} {rate[name]:7.0f} tok/s  {ratio:5.2f}x {PATH_KEYS[baseline]}  "
+                  f"{rate[name] / bound:4.0%} of the matmul bound  first call {first[name]:6.1f} s")
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -278,7 +304,8 @@ def bench_update(args):
     model_dir = args.model or converted_dir()
     B, T, device = args.train_batch, args.train_length, torch.device(args.device)
     torch.manual_seed(0)
-    ids = torch.randint(0, 49152, (B, T), device=device)
+    vocab = read_config(os.path.join(model_dir, "config.json")).vocab_size
+    ids = torch.randint(0, vocab, (B, T), device=device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"{cpu_name()}, {torch.get_num_threads()} threads"
     print(f"forward + backward + AdamW on {B} x {T} tokens (median of {args.repeats}, {where}):")
@@ -299,21 +326,23 @@ def bench_update(args):
         opt.zero_grad(set_to_none=True)
 
     precisions = [("float32", contextlib.nullcontext)]
-    if cpu_has_bf16() or device.type == "cuda":
+    if cpu_has_bf16() or device.type == "cuda" or args.dtypes:
         precisions.append(("bf16 autocast", lambda: torch.autocast(device.type, dtype=torch.bfloat16)))
     else:
         print("  (bf16 autocast skipped: this CPU has no native bf16 matrix instructions)")
+    if args.dtypes:  # --dtypes float32,bfloat16 names the precisions to run
+        wanted = {{"float32": "float32", "bfloat16": "bf16 autocast"}.get(d) for d in args.dtypes.split(",")}
+        precisions = [p for p in precisions if p[0] in wanted]
     results = {}
     for name, autocast in precisions:
-        ours, _ = load_model(args.model, dtype=torch.float32,
-                             device=device)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-        ours.train(), hf.train()
-        runs = {"ours": (ours, step_ours)}
-        if not ours.config.num_experts:  # (a Mixture-of-Experts model stays eager)
+        runs = {"ours": (load_model(args.model, dtype=torch.float32, device=device)[0], step_ours)}
+        if not runs["ours"][0].config.num_experts:  # (a Mixture-of-Experts model stays eager)
             compiled, _ = load_model(args.model, dtype=torch.float32, device=device)
-            runs["ours, blocks compiled"] = (compile_blocks(compiled.train()), step_ours)
+            runs["ours, blocks compiled"] = (compile_blocks(compiled), step_ours)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
         runs["transformers"] = (hf, step_hf)
+        runs = {k: (m.train(), fn) for k, (m, fn) in runs.items() if PATH_KEYS[k] in args.paths}
+        baseline = "transformers" if "hf" in args.paths else next(iter(runs))
         # fused AdamW for both: what train.py uses, and transformers' Trainer default
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-6, fused=True) for k, (m, _) in runs.items()}
         times = _alternated_times(runs, opts, autocast, args.repeats, device)
@@ -321,10 +350,10 @@ def bench_update(args):
             results[(name, k)] = B * T / statistics.median(times[k][1:])
         for k in runs:
             print(f"  {name:14s} {k:22s} {results[(name, k)]:6.0f} tok/s   "
-                  f"{results[(name, k)] / results[(name, 'transformers')]:.2f}x transformers"
+                  f"{results[(name, k)] / results[(name, baseline)]:.2f}x {baseline}"
                   f"   first step {times[k][0]:5.1f} s")
-        del ours, hf, opts, runs
-    if len(precisions) > 1:
+        del hf, opts, runs
+    if len(precisions) > 1 and "ours" in args.paths:
         print(f"  bf16 autocast / float32 (ours): "
               f"{results[('bf16 autocast', 'ours')] / results[('float32', 'ours')]:.2f}x")
 
@@ -416,7 +445,11 @@ def main(argv=None):
     sampler.add_argument("--samples", type=int, default=4, help="samples per prompt")
     sampler.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row")
     sampler.add_argument("--dtypes", default=None, help="comma-separated, e.g. float32,bfloat16 "
-                         "(default: both where the device has native bf16, else float32)")
+                         "(default: both where the device has native bf16, else float32; update: "
+                         "bfloat16 means bf16 autocast)")
+    parser.add_argument("--paths", default="ours,ours-compiled,hf,hf-compiled",
+                        help="sampler and update: which paths to time, comma-separated, of ours, "
+                        "ours-compiled, hf (transformers eager), hf-compiled (sampler only)")
     update = parser.add_argument_group("update")
     update.add_argument("--batch", type=int, default=8, help="log-prob memory: rows")
     update.add_argument("--length", type=int, default=512, help="log-prob memory: tokens per row")
@@ -442,6 +475,10 @@ def main(argv=None):
     for name in (args.dtypes or "float32").split(","):
         if name not in ("float32", "bfloat16", "float16"):
             parser.error(f"--dtypes: {name!r} is not one of float32, bfloat16, float16")
+    args.paths = args.paths.split(",")
+    for key in args.paths:
+        if key not in ("ours", "ours-compiled", "hf", "hf-compiled"):
+            parser.error(f"--paths: {key!r} is not one of ours, ours-compiled, hf, hf-compiled")
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()  # as train.py does: a freed block is not faulted in again at every step

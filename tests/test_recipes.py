@@ -143,3 +143,38 @@ def test_a_run_stopped_before_its_first_step_is_no_zero_in_the_means():
     stopped = {"label": "a", "eval": [], "metrics": []}
     row = runs.summary_table([done, stopped]).splitlines()[-1]
     assert row == "| a | 2 | 50.0% | 50.0% | 1 | 100 | 50 | 900 |", row
+
+
+def test_gpu_check_keeps_every_finished_part_when_cut_off(tmp_path):
+    """recipes/gpu-check.sh on the CPU (DEVICE=cpu, a tiny model): the sampler part ends and its
+    figures are in results.md at once; the update part is cut at an artificial 1-second limit and
+    says so; then the whole run is killed from outside during the next part, as a GPU lease
+    ending would kill it, and results.md still holds both parts' outcomes."""
+    import signal
+    import time
+    from transformers import AutoTokenizer
+    model = digit_checkpoint(tmp_path / "model", context=128)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = "{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}<s> "
+    tokenizer.save_pretrained(model)  # bench.py's prompts go through the chat template
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable, OUT=str(out), DEVICE="cpu",
+               MODEL_DIR=model, ROWS="4", NEW_TOKENS="4", REPEATS="1", LIMIT_UPDATE="1")
+    run = subprocess.Popen(["bash", str(ROOT / "recipes" / "gpu-check.sh")], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    results, deadline = out / "results.md", time.monotonic() + 300
+    try:
+        while "## update:" not in (results.read_text() if results.exists() else ""):
+            assert run.poll() is None and time.monotonic() < deadline, "update part never ended"
+            time.sleep(0.5)
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)  # the lease ends, mid-part
+        run.wait()
+    text = results.read_text()
+    assert "device: cpu" in text and "## model: " + model + " given" in text
+    sampler = text.split("## sampler: ")[1].split("## update")[0]
+    assert sampler.startswith("ok, ") and "ours eager" in sampler and "transformers eager" in sampler
+    assert " tok/s " in sampler and "matmul-only bound" in sampler
+    assert "## update: cut off at its limit of 1 s" in text
+    assert "## nccl" not in text and (out / "sampler.log").exists()
