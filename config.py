@@ -242,6 +242,11 @@ def optimisation_flags(g):
                    help="mu: a full batch's optimizer updates per step (the paper: 16), each on "
                         "1/mu of it; a batch short of groups makes fewer; 1 = on-policy, ratio 1")
     g.add_argument("--micro-batch-size", type=int, default=16, help="sequences per backward pass")
+    g.add_argument("--micro-batch-tokens", type=int, default=0,
+                   help="also at most this many padded positions (rows x the longest prompt + the "
+                        "longest reply among them) per forward of the update and the scoring "
+                        "passes, longest rows first; prompts longer than it less --max-new-tokens "
+                        "are refused at load (0: rows only)")
 
 
 def parse_config(argv=None):
@@ -321,6 +326,7 @@ def read_saved_config(run_dir, parser):
 POSITIVE_INTS = ["steps", "eval_limit", "prompts_per_step", "max_new_tokens", "mini_batches",
                  "micro_batch_size"]
 NONNEGATIVE_INTS = ["seed", "checkpoint_every", "lora_rank", "eval_every", "max_refills", "max_rows",
+                    "micro_batch_tokens",
                     "warmup_steps", "eval_samples", "log_samples"]
 POSITIVE_FLOATS = ["checkpoint_minutes", "lora_alpha", "temperature", "overlong_cache", "eval_temperature",
                    "ppl_window", "gkl_gamma", "gkl_temperature", "gkl_weight_temperature",

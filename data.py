@@ -861,6 +861,31 @@ def pack(prompts, completions, device) -> Packed:
     return Packed(ids.to(device), attn.to(device), attn[:, P:].to(device), P)
 
 
+def micro_batches(rows, sizes, max_rows, max_tokens=0):
+    """rows (ids of a batch's rows), sizes ((prompt, reply) lengths, one pair per row) -> lists
+    of rows, each a micro-batch of at most max_rows. With max_tokens > 0 each also holds at most
+    max_tokens padded positions, rows x (longest prompt + longest reply): `pack`'s tensor. Rows go
+    longest first, so rows of like length share one and little is padding (verl's
+    use_dynamic_bsz: micro-batches by tokens). Without it, rows in order (as ever)."""
+    if not max_tokens:
+        return [rows[k:k + max_rows] for k in range(0, len(rows), max_rows)]
+    order = sorted(range(len(rows)), key=lambda j: -sum(sizes[j]))  # (stable: ties in order)
+    parts, P, C = [], 0, 0
+    for j in order:
+        p, c = sizes[j]
+        if p + max(c, 1) > max_tokens:  # (pack gives every row at least one reply position)
+            raise ValueError(f"--micro-batch-tokens {max_tokens}: a row of {p} prompt and {c} reply "
+                             f"tokens does not fit alone")
+        if parts and len(parts[-1]) < max_rows and \
+                (len(parts[-1]) + 1) * (max(P, p) + max(C, c, 1)) <= max_tokens:
+            parts[-1].append(rows[j])
+            P, C = max(P, p), max(C, c)
+        else:
+            parts.append([rows[j]])
+            P, C = p, c
+    return parts
+
+
 def pad_rows(rows, width, device):
     """Float lists (log-probs) right-padded with 0 to `width` -> (B, width)."""
     out = torch.zeros(len(rows), width)

@@ -111,11 +111,10 @@ def mini_batches(units, mu):
             for m in range(mu)]
 
 
-def micro_batch_count(items, size):
-    """Micro-batches of `size` items on the rank that has the most: DDP all-reduces once per
-    backward, so every rank runs that many (the short ones add zero-weight stand-ins)."""
-    count = torch.tensor(math.ceil(items / size))
-    return max(1, int(all_reduce(count, dist.ReduceOp.MAX)))
+def micro_batch_count(count):
+    """The most micro-batches any rank has (at least 1): DDP all-reduces once per backward, so
+    every rank runs that many (the short ones add zero-weight stand-ins)."""
+    return max(1, int(all_reduce(torch.tensor(count), dist.ReduceOp.MAX)))
 
 
 def accumulating(model, last):

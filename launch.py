@@ -231,11 +231,16 @@ def claim_run_directory(args):
 
 
 def load_data(args, tokenizer, context):
-    """-> (training source: ArithmeticTask or records, held-out records or None), all checked."""
-    max_prompt = context - args.max_new_tokens
-    if max_prompt < 1:
+    """-> (training source: ArithmeticTask or records, held-out records or None), all checked.
+    A prompt must leave room for --max-new-tokens in the model's context and, for training, in
+    --micro-batch-tokens where given (so that every row fits a micro-batch alone)."""
+    room, within = context, f"the model's context of {context}"
+    if 0 < args.micro_batch_tokens < context:
+        room, within = args.micro_batch_tokens, f"--micro-batch-tokens {args.micro_batch_tokens}"
+    max_prompt, max_train_prompt = context - args.max_new_tokens, room - args.max_new_tokens
+    if max_train_prompt < 1:
         raise data.DataError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt "
-                             f"in the model's context of {context}")
+                             f"in {within}")
     heldout = None
     if str(args.data).startswith(("arithmetic", "memory")):
         task = episodes.MemoryTask if str(args.data).startswith("memory") else data.ArithmeticTask
@@ -243,8 +248,14 @@ def load_data(args, tokenizer, context):
         if args.eval_data is None:
             heldout = source.heldout(args.eval_limit)
     else:
-        source = data.load_records(args.data, tokenizer=tokenizer, template=args.template,
-                                   max_prompt_tokens=max_prompt)
+        try:
+            source = data.load_records(args.data, tokenizer=tokenizer, template=args.template,
+                                       max_prompt_tokens=max_train_prompt)
+        except data.DataError as e:
+            if "longer than the limit" in str(e):  # say where the limit comes from
+                raise data.DataError(f"{e} ({within} less --max-new-tokens "
+                                     f"{args.max_new_tokens})") from None
+            raise
     if args.eval_data:
         heldout = data.load_records(args.eval_data, split="test", limit=args.eval_limit,
                                     tokenizer=tokenizer, template=args.template,

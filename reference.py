@@ -7,6 +7,7 @@ dpo), which train.py's step 5 calls in place of its own.
     python train.py --preset dpo                   # online DPO on correct-vs-wrong pairs
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -117,7 +118,7 @@ def pair_batches(run, batch, pairs):
     size = max(1, run.args.micro_batch_size // 2)
     num_pairs = all_reduce(torch.tensor(float(len(pairs))))
     out = []
-    for k in range(distributed.micro_batch_count(len(pairs), size)):
+    for k in range(distributed.micro_batch_count(math.ceil(len(pairs) / size))):
         part = pairs[k * size:(k + 1) * size]
         rows = [(i, span) for c, r, span_c, span_r in part for i, span in ((c, span_c), (r, span_r))]
         packed = data.pack([batch.prompts[i] for i, _ in rows] or [[0]],

@@ -341,11 +341,8 @@ def scored_logprobs(run, batch, rows, under_reference=False):
     """The token log-probs of `rows` of `batch` under the policy (or the reference), a micro-batch
     at a time; the policy replays the sampler's experts (--routing-replay), the reference routes
     on its own as in reference.kl_term. -> per row, a list"""
-    args, size, out = run.args, run.args.micro_batch_size, []
-    # As many forwards on every rank (stand-ins where a rank has fewer rows): under FSDP each
-    # forward gathers weights with the other ranks.
-    for k in range(distributed.micro_batch_count(len(rows), size)):
-        part = rows[k * size:(k + 1) * size]
+    args, out = run.args, {}
+    for part in micro_batch_rows(run, batch, rows):
         ids, attn, _, start = data.pack([batch.prompts[i] for i in part] or [[0]],
                                         [batch.tokens[i] for i in part] or [[0]], args.device)
         replay = None if under_reference or not part else moe.replay_rows(
@@ -355,8 +352,8 @@ def scored_logprobs(run, batch, rows, under_reference=False):
                                   replay=replay, temperature=args.temperature)
         with launch.autocast(run):
             logp = reference.reference_forward(run, score) if under_reference else score(run.policy)
-        out += [logp[j, :len(batch.tokens[i])].tolist() for j, i in enumerate(part)]
-    return out
+        out.update({i: logp[j, :len(batch.tokens[i])].tolist() for j, i in enumerate(part)})
+    return [out[i] for i in rows]  # (micro-batches by tokens go longest first)
 
 
 # ---- 5: the updates -----------------------------------------------------------------------------
@@ -426,13 +423,23 @@ def update_count(run, batch):
     return math.ceil(run.args.mini_batches * kept / run.args.prompts_per_step)
 
 
+def micro_batch_rows(run, batch, rows):
+    """`rows` of `batch` split into micro-batches (--micro-batch-size rows, at most
+    --micro-batch-tokens padded positions), as many on every rank: a rank with fewer gets empty
+    ones (stand-ins), since DDP reduces gradients at the last backward and FSDP gathers weights
+    with the other ranks at each forward."""
+    sizes = [(len(batch.prompts[i]), len(batch.tokens[i])) for i in rows]
+    parts = data.micro_batches(rows, sizes, run.args.micro_batch_size, run.args.micro_batch_tokens)
+    return parts + [[]] * (distributed.micro_batch_count(len(parts)) - len(parts))
+
+
 def policy_micro_batches(run, batch, rows, first_group):
     """The mini-batch `rows` of `batch` as MicroBatches."""
-    size, device = run.args.micro_batch_size, run.args.device
+    device = run.args.device
     group = [first_group + g for g in batch.group_index()]  # prompt ids over all ranks
-    out, count = [], distributed.micro_batch_count(len(rows), size)
-    for k in range(count):
-        part = rows[k * size:(k + 1) * size]
+    parts = micro_batch_rows(run, batch, rows)
+    out, count = [], len(parts)
+    for part in parts:
         # A rank with fewer micro-batches than another runs zero-weight stand-ins.
         rollouts, part = (batch, part) if part else (STAND_IN, [0])
         packed = data.pack([rollouts.prompts[i] for i in part], [rollouts.tokens[i] for i in part],

@@ -447,3 +447,40 @@ def test_fields_differing_only_in_case_are_refused(tmp_path):
     path.write_text(json.dumps({"prompt": "What is 1 + 1?", "Answer": "3", "answer": "2"}) + "\n")
     with pytest.raises(DataError, match=r"clash.jsonl: row 1: fields \['Answer', 'answer'\]"):
         data.load_records(str(path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Micro-batches by tokens (--micro-batch-tokens)
+# ----------------------------------------------------------------------------------------------
+
+def test_micro_batches_by_rows_alone_keep_the_rows_in_order():
+    assert data.micro_batches([4, 5, 6, 7, 8], [(1, 1)] * 5, 2) == [[4, 5], [6, 7], [8]]
+
+
+def test_micro_batches_by_tokens_hand_computed():
+    """Totals 5, 10, 8, 3 go longest first: row 1 alone (with row 2, 2 x (4 + 9) = 26 > 20), rows 2
+    and 0 (2 x (4 + 4) = 16), row 3 (with them, 3 x 8 = 24 > 20)."""
+    sizes = [(3, 2), (1, 9), (4, 4), (2, 1)]
+    assert data.micro_batches([0, 1, 2, 3], sizes, 8, max_tokens=20) == [[1], [2, 0], [3]]
+    assert data.micro_batches([0, 1, 2, 3], sizes, 1, max_tokens=20) == [[1], [2], [0], [3]]
+
+
+def test_micro_batches_never_exceed_the_budget():
+    """Random lengths: every row once, at most max_rows a micro-batch, and rows x (longest prompt
+    + longest reply, at least 1) within the budget, as `pack` lays them out."""
+    rng = random.Random(0)
+    for _ in range(200):
+        n, budget, max_rows = rng.randint(1, 40), rng.randint(60, 400), rng.randint(1, 12)
+        sizes = [(rng.randint(1, 30), rng.randint(0, 29)) for _ in range(n)]
+        rows = list(range(100, 100 + n))
+        parts = data.micro_batches(rows, sizes, max_rows, max_tokens=budget)
+        assert sorted(r for part in parts for r in part) == rows
+        for part in parts:
+            lengths = [sizes[r - 100] for r in part]
+            padded = data.pack([[1] * p for p, _ in lengths], [[1] * c for _, c in lengths], "cpu").ids
+            assert len(part) <= max_rows and padded.numel() <= budget
+
+
+def test_a_row_longer_than_the_budget_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"--micro-batch-tokens 10: a row of 8 prompt and 3 reply"):
+        data.micro_batches([0, 1], [(2, 2), (8, 3)], 4, max_tokens=10)

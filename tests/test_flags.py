@@ -50,6 +50,7 @@ TRAIN_MEANINGFUL = {
     ("--router-aux-coef", "0"): "no load-balancing loss (still logged for an MoE)",
     ("--kv-budget", "0"): "the sampler's KV pool holds every row at its longest",
     ("--max-rows", "0"): "the sampler runs all of a rank's rows at once",
+    ("--micro-batch-tokens", "0"): "micro-batches are sized by rows alone",
 }
 # Values once accepted that cost a run or a result (the list), beyond 0 / -1 / nan / inf.
 TRAIN_EXTRA = [("--eps-low", "2"), ("--clip-c", "0.5"), ("--curriculum", "1.5"),

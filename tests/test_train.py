@@ -435,7 +435,9 @@ UPDATE_METRICS = ("entropy", "clip_frac_low", "clip_frac_high", "approx_kl", "ra
      "--mini-batches", "2"],
     # REINFORCE++'s token advantages normalised over both ranks' tokens
     ["--adv-estimator", "reinforce_pp", "--reward-kl-coef", "0.5"],
-], ids=["dapo", "gkl", "reinforce_baseline", "chosen-tokens", "reinforce_pp"])
+    # micro-batches by tokens (rows of 51-53 positions: two a micro-batch), per-prompt divisors
+    ["--micro-batch-tokens", "110", "--micro-batch-size", "16", "--loss-agg", "group-token-mean"],
+], ids=["dapo", "gkl", "reinforce_baseline", "chosen-tokens", "reinforce_pp", "token-budget"])
 def test_ddp_two_ranks_equal_one_process(tiny, tmp_path, variant):
     """The same global batch in one process and on two gloo ranks: the same weights after the
     updates and the same metrics (summed over ranks, not rank 0's share)."""
@@ -702,6 +704,53 @@ def test_chosen_tokens_do_not_depend_on_the_micro_batches(tiny, tmp_path, extra)
     assert one["grad_norm"] == pytest.approx(four["grad_norm"], rel=1e-6)
     for k in one_weights:  # (AdamW's step makes float rounding of near-0 gradients ~1e-6)
         assert torch.allclose(one_weights[k], four_weights[k], atol=1e-5, rtol=0), k
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                                 "group-token-mean"])
+def test_micro_batches_by_tokens_give_the_one_batch_update(tiny, tmp_path, agg):
+    """rollouts()' 4 rows are (prompt, reply) (3, 2), (3, 1), (2, 3), (2, 1): at 8 padded
+    positions a micro-batch, longest first, they split [0], [2], [1, 3] (2 x (3 + 1) = 8). The
+    scored log-probs come back in the rows' order, and the gradient is the one batch's, for every
+    aggregation (the divisors are the whole mini-batch's)."""
+    import train
+    batch = rollouts(advantages=[1.0, -1.0, -0.5, 1.0],
+                     old_logprobs=[[-3.0, -1.0], [-4.0], [-0.5, -6.0, -2.0], [-1.0]])
+    grads, scored = {}, {}
+    for budget in (0, 8):
+        run = in_process_run(tmp_path / str(budget), tiny, "--loss-agg", agg, "--micro-batch-size", "4")
+        run.args.micro_batch_tokens = budget  # (set after loading: the digit prompts are longer)
+        parts = train.micro_batch_rows(run, batch, [0, 1, 2, 3])
+        assert parts == ([[0, 1, 2, 3]] if budget == 0 else [[0], [2], [1, 3]])
+        scored[budget] = train.scored_logprobs(run, batch, [0, 1, 2, 3])
+        sums, _ = train.update(run, batch)
+        assert sums["loss_tokens"] == 7
+        grads[budget] = {name: p.grad.clone() for name, p in run.policy.named_parameters()}
+    assert [len(row) for row in scored[8]] == [2, 1, 3, 1]
+    for a, b in zip(scored[0], scored[8]):
+        assert a == pytest.approx(b, abs=1e-6)
+    assert max(g.abs().max() for g in grads[0].values()) > 1e-3  # not a trivial gradient
+    for name, grad in grads[0].items():
+        assert torch.allclose(grad, grads[8][name], atol=1e-7, rtol=1e-5), name
+
+
+def test_a_prompt_too_long_for_the_micro_batch_budget_is_refused_at_load(tiny, tmp_path):
+    """The digit prompts are 50 tokens: with --micro-batch-tokens 52 and --max-new-tokens 3 a row
+    could not fit a micro-batch alone, so the data is refused before any step, naming both."""
+    import config
+    import data
+    import launch
+    from transformers import AutoTokenizer
+    model_dir, data_file = tiny
+    args, _ = config.parse_config(["--model", model_dir, "--data", data_file, "--out",
+                                   str(tmp_path / "run")] + BASE + ["--micro-batch-tokens", "52",
+                                                                    "--template", "dapo"])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with pytest.raises(data.DataError, match=r"row 1: .* longer than the limit of 49 "
+                                             r"\(--micro-batch-tokens 52 less --max-new-tokens 3\)"):
+        launch.load_data(args, tokenizer, context=64)
+    args.micro_batch_tokens = 53
+    assert len(launch.load_data(args, tokenizer, context=64)[0]) == 16
 
 
 @pytest.mark.slow
