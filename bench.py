@@ -281,8 +281,27 @@ def _bench_logprob_memory(path: str, batch: int, length: int, chunked: bool):
     return peak - base, logp  # MiB above the state before the pass
 
 
+def saved_for_backward(model, batch, length):
+    """KiB kept for backward a token (each storage once) by the update's forward on `batch` rows
+    of `length` positions, prompts left-padded and replies right-padded as the trainer lays them."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (batch, length))
+    attn = torch.ones_like(ids)
+    for i in range(batch):
+        attn[i, :8 * i], attn[i, length - 4 * i:] = 0, 0
+    storages = {}
+
+    def keep(t):
+        storages[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        token_logprobs(model.train(), ids, attn, start=length // 2)
+    return sum(storages.values()) / (batch * length) / 1024
+
+
 def bench_memory(args):
-    """Peak memory of the log-probs over the vocabulary: ours chunked against the naive path."""
+    """Peak memory of the log-probs over the vocabulary: ours chunked against the naive path;
+    the bytes a token the update's forward keeps for backward."""
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     print(f"log-probs of B={args.batch} x T={args.length} tokens over the vocabulary "
@@ -294,6 +313,10 @@ def bench_memory(args):
     print(f"  naive full logits + log_softmax: {naive_mib:7.0f} MiB")
     print(f"  token_logprobs (chunked):        {chunk_mib:7.0f} MiB   ({chunk_mib / naive_mib:.1%} of "
           f"naive; max |difference| {(naive - chunked).abs().max().item():.1e})")
+    model = load_model(args.model, dtype=torch.float32)[0]
+    for batch, length in ((8, 256), (2, 1024)):
+        print(f"  kept for backward, fp32, {batch} x {length} padded rows: "
+              f"{saved_for_backward(model, batch, length):.0f} KiB a token")
 
 
 def bench_update(args):

@@ -375,25 +375,35 @@ class Transformer(nn.Module):
                 routing: Routing | None = None):
         """input_ids (B, T) -> logits (B, T, V) (or (B, 1, V) with last_only).
 
-        attention_mask (B, T): 1 real token, 0 padding (left or right). return_hidden gives the
-        final normed hidden states (B, T, C) instead of logits (token_logprobs applies the head
-        in chunks). routing: records (or replays) the experts of MoE layers, see Routing.
+        attention_mask (B, T): 1 real token, 0 padding (anywhere: prompts left-padded, replies
+        right-padded). Such a batch runs packed to the left: each row's real tokens gathered, in
+        order, to its first columns and its padding after them, so that plain causal attention is
+        each row's own (no (B, 1, T, T) mask is made or kept for backward; flash attention on
+        CUDA), then the hidden states gathered back into place. return_hidden gives the final
+        normed hidden states (B, T, C) instead of logits (token_logprobs applies the head in
+        chunks). routing: records (or replays) the experts of MoE layers, see Routing.
         """
-        real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
-                else attention_mask.bool())  # (B, T)
-        positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, T) counting real tokens
-        masks = self.attention_masks(positions, real, plain=attention_mask is None)
-
+        order = None
+        if attention_mask is not None:  # (B, T): real tokens first, in order (a stable sort)
+            order = torch.argsort(~attention_mask.bool(), dim=1, stable=True)
+            input_ids = input_ids.gather(1, order)
+        inner = routing if order is None or routing is None else routing.reordered(order)
+        T = input_ids.shape[1]
+        positions = torch.arange(T, device=input_ids.device)[None]  # (1, T): the same in every row
         x = self.embed(input_ids)  # (B, T, C)
-        rotary = self.rotary(positions, x.dtype)
+        rotary, masks = self.rotary(positions, x.dtype), self.attention_masks(T, x.device)
         layers = self.compiled_layers or self.layers  # speed.compile_blocks
         for i, layer in enumerate(layers):
             kind = self.config.layer_types[i]
             args = (x, *rotary[kind], masks[kind])
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, *args, None, i, routing, use_reentrant=False)
+                x = checkpoint(layer, *args, None, i, inner, use_reentrant=False)
             else:
-                x = layer(*args, None, i, routing)
+                x = layer(*args, None, i, inner)
+        if order is not None:  # every token back to its own column
+            x = x.gather(1, torch.argsort(order, dim=1)[:, :, None].expand_as(x))
+            if routing is not None:
+                routing.record_back(inner, order)
         if last_only:
             x = x[:, -1:]
         x = self.norm(x)  # (B, T, C)
@@ -439,26 +449,17 @@ class Transformer(nn.Module):
             return {"full": full, "sliding": full}
         return {"full": full, "sliding": self.rope(positions, dtype, self.inv_freq_local)}
 
-    def attention_masks(self, positions, real, plain):
-        """{"full": mask, "sliding": mask}, each (B, 1, T, T) bool or None (plain causal).
-
-        Causal, real keys only; a sliding layer's query at position p also sees only keys at
-        positions > p - window (Mistral, Gemma: the window counts the query itself). Positions
-        count real tokens, so a left-padded row sees what it would see unpadded.
+    def attention_masks(self, T, device):
+        """{"full": mask, "sliding": mask} for rows packed to the left, each None (plain causal)
+        or one (1, 1, T, T) bool mask for every row: a sliding layer's query at position p sees
+        only keys at positions > p - window (Mistral, Gemma: the window counts the query itself).
         """
-        T = positions.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()  # (T, T)
-        full = None
-        if not plain:
-            # A padding query may see no real key; letting it see itself keeps softmax finite.
-            eye = torch.eye(T, dtype=torch.bool, device=positions.device)
-            full = ((causal[None] & real[:, None, :]) | eye[None])[:, None]  # (B, 1, T, T)
         window = self.config.sliding_window
-        if not window or (plain and T <= window):
-            return {"full": full, "sliding": full}  # the window never binds
-        near = (positions[:, :, None] - positions[:, None, :]) < window  # (B, T, T)
-        base = causal[None, None] if full is None else full
-        return {"full": full, "sliding": base & near[:, None]}
+        if not window or T <= window:
+            return {"full": None, "sliding": None}  # the window never binds
+        position = torch.arange(T, device=device)
+        distance = position[:, None] - position[None, :]  # (T, T) query minus key
+        return {"full": None, "sliding": ((distance >= 0) & (distance < window))[None, None]}
 
 
 # ----------------------------------------------------------------------------- log-probs in chunks

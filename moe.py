@@ -33,6 +33,25 @@ class Routing:
         self.experts = {}  # layer -> (B, T, k) long
         self.logits = {}  # layer -> (B*T, E)
 
+    def reordered(self, order):
+        """A Routing for these tokens reordered within each row, as Transformer.forward packs
+        padded rows: token t of row b is token order[b, t] here (order (B, T)); the replay alike."""
+        if self.replay is None:
+            return Routing()
+        index = order.to(self.replay.device)[:, :, None, None].expand_as(self.replay)
+        return Routing(self.replay.gather(1, index))  # (B, T, L, k)
+
+    def record_back(self, inner, order):
+        """Records what `inner` (this routing `reordered` by order) recorded, in the rows' own
+        token order: experts (B, T, k) and router logits (B*T, E), whose graph stays."""
+        back = torch.argsort(order, dim=1)  # (B, T): where each token went
+        B, T = back.shape
+        flat = (back + T * torch.arange(B, device=back.device)[:, None]).reshape(-1)  # (B*T,)
+        for layer, experts in inner.experts.items():
+            self.experts[layer] = experts.gather(1, back[:, :, None].expand_as(experts))
+        for layer, logits in inner.logits.items():
+            self.logits[layer] = logits[flat]
+
     def stacked(self, cfg) -> torch.Tensor:
         """-> (B, T, L, k) long: the recorded experts, -1 for dense layers."""
         some = next(iter(self.experts.values()))  # (B, T, k)

@@ -944,3 +944,51 @@ def test_hub_moe_configs(hub):
     assert ours.moe_intermediate_size == hub.get("moe_intermediate_size", hub["intermediate_size"])
     assert all(ours.moe_layers) and len(ours.moe_layers) == hub["num_hidden_layers"]
     assert ours.rope_theta == 1e6 and ours.rope_scaling is None
+
+
+# ---------------------------------------------------------------------------------------------
+# A padded batch runs packed to the left: each row's own, no (B, 1, T, T) mask (issue 40)
+# ---------------------------------------------------------------------------------------------
+
+def _both_padded(vocab):
+    """Three rows as the trainer lays them out, prompt left-padded and reply right-padded, real
+    lengths 2 + 20, 9 + 14, 5 + 3 (past the window of 16): ids (3, T), mask (3, T), real spans."""
+    spans = [(0, 2, 20), (1, 9, 14), (2, 5, 3)]  # (row, prompt, reply)
+    P, C = 9, 20
+    ids = torch.full((3, P + C), PAD_ID, dtype=torch.long)
+    mask = torch.zeros(3, P + C, dtype=torch.long)
+    for row, p, c in spans:
+        ids[row, P - p:P + c] = random_ids(1, p + c, vocab, seed=50 + row)[0]
+        mask[row, P - p:P + c] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_padded_batch_is_each_row_alone_in_logits_gradients_and_routes(tiny_ckpt, family):
+    """Every family (sliding windows, Gemma 2's soft caps, MoE routes): each row's logits on its
+    real positions, and the gradient of a weighted sum of them, equal each row run alone with no
+    padding; an MoE's recorded experts and router logits come back in the rows' own order; no
+    tensor kept for backward holds B x T x T elements (the mask the batch once carried)."""
+    ours = load_model(tiny_ckpt(family))[0].train()
+    ids, mask = _both_padded(ours.config.vocab_size)
+    B, T = ids.shape
+    weights = torch.randn(B, T, ours.config.vocab_size, generator=torch.Generator().manual_seed(2))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        routing = Routing() if ours.config.num_experts else None
+        logits = ours(ids, mask, routing=routing)  # (B, T, V)
+    masks = [t for t in saved if t.shape == (B, 1, T, T) or (t.dtype == torch.bool and t.dim() == 4)]
+    assert not masks, [t.shape for t in masks]
+    batch = _grads(ours, lambda: (ours(ids, mask) * weights * mask[:, :, None]).sum())
+    alone = []
+    for row in range(B):
+        real = mask[row].bool()
+        row_routing = Routing() if ours.config.num_experts else None
+        got = ours(ids[row][real][None], routing=row_routing)[0]
+        assert max_diff(logits[row][real], got) <= TOL, row
+        if routing is not None:
+            assert all(torch.equal(routing.experts[k][row][real], e[0]) for k, e in row_routing.experts.items())
+            layer = next(iter(routing.logits))
+            assert max_diff(routing.logits[layer].view(B, T, -1)[row][real], row_routing.logits[layer]) <= TOL
+        alone.append(_grads(ours, lambda: (ours(ids[row][real][None])[0] * weights[row][real]).sum()))
+    _assert_same_grads(batch, {n: sum(g[n] for g in alone) for n in batch})
