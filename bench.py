@@ -315,8 +315,12 @@ def bench_memory(args):
           f"naive; max |difference| {(naive - chunked).abs().max().item():.1e})")
     model = load_model(args.model, dtype=torch.float32)[0]
     for batch, length in ((8, 256), (2, 1024)):
-        print(f"  kept for backward, fp32, {batch} x {length} padded rows: "
-              f"{saved_for_backward(model, batch, length):.0f} KiB a token")
+        kept = saved_for_backward(model, batch, length)
+        model.gradient_checkpointing = True
+        recomputed = saved_for_backward(model, batch, length)
+        model.gradient_checkpointing = False
+        print(f"  kept for backward, fp32, {batch} x {length} padded rows: {kept:.0f} KiB a token; "
+              f"with --activation-checkpointing {recomputed:.0f} KiB")
 
 
 def bench_update(args):

@@ -67,8 +67,9 @@ def run_flags(g):
     g.add_argument("--seed", type=int, default=0, help="seed for data, sampling and init")
     g.add_argument("--steps", type=int, default=1000,
                    help="training steps: one rollout batch (refills included), then its updates")
-    g.add_argument("--time-limit", type=float, default=20.0,
-                   help="minutes of training (evaluation excluded); 0 = no limit")
+    g.add_argument("--time-limit", type=float, default=None,
+                   help="minutes of training (evaluation excluded); 0 = no limit (default: 20 on a "
+                        "CPU, the offline default run's size; none on CUDA)")
     g.add_argument("--bench", action="store_true", help="time a few steps and exit")
     g.add_argument("--checkpoint-minutes", type=float, default=5.0,
                    help="minutes between checkpoints (one is also written at the end)")
@@ -90,8 +91,10 @@ def model_flags(g):
                         "master weights (auto: bf16 on CUDA and on CPUs with native bf16)")
     g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0 = full fine-tuning)")
     g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha")
-    g.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each block in backward (saves GPU memory)")
+    g.add_argument("--activation-checkpointing", nargs="?", const="on", default="auto",
+                   choices=["auto", "on", "off"],
+                   help="recompute each block in backward: a block's input kept, not its insides, "
+                        "for one more forward (auto: on CUDA for models of 1B parameters or more)")
     g.add_argument("--quantize", default="none", choices=["none", "nf4"],
                    help="nf4: the frozen base of --lora-rank's adapters in 4-bit NormalFloat "
                         "(QLoRA); see the README")
@@ -359,14 +362,14 @@ def check_config(args, parser):
             fail(key, f"an integer >= {low}")
     for key in POSITIVE_FLOATS + NONNEGATIVE_FLOATS + OTHER_FLOATS:
         value = getattr(args, key)
-        if not (value is None and key == "clip_c") and (
+        if not (value is None and key in ("clip_c", "time_limit")) and (
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
             fail(key, "a finite number")
     for key in POSITIVE_FLOATS:
         if getattr(args, key) <= 0:
             fail(key, "> 0")
     for key in NONNEGATIVE_FLOATS:
-        if getattr(args, key) < 0:
+        if (getattr(args, key) or 0) < 0:
             fail(key, ">= 0")
     for key, ok, rule in range_rules(args):
         if not ok:
@@ -457,6 +460,15 @@ def overlong_cache_tokens(args):
     if args.overlong_cache < 1:
         return max(1, round(args.overlong_cache * args.max_new_tokens))
     return int(args.overlong_cache)
+
+
+def checkpoints_activations(args, model) -> bool:
+    """--activation-checkpointing for this model (a run's config.json from before the choice
+    holds True or False)."""
+    choice = args.activation_checkpointing
+    if choice == "auto":
+        return args.device.type == "cuda" and sum(p.numel() for p in model.parameters()) >= 1e9
+    return choice in (True, "on")
 
 
 def compile_choice(args):

@@ -123,6 +123,8 @@ def setup(args):
     keep_freed_memory()
     rank, world, device = setup_distributed()
     args.device = device
+    if args.time_limit is None:  # a CPU's default run is sized for minutes; a GPU run for hours
+        args.time_limit = 20.0 if device.type == "cpu" else 0.0
     args.out = args.resume or args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     writes = rank == 0 and not args.bench
     if writes and not args.resume:  # a bad --out fails now, not after loading (checked again later)
@@ -143,7 +145,7 @@ def setup(args):
     pack_linears(policy)  # the sampler's products on packed weights, where faster (speed.py)
     refuse_mismatches(args, policy)
     policy.train()
-    policy.gradient_checkpointing = args.activation_checkpointing
+    policy.gradient_checkpointing = config.checkpoints_activations(args, policy)
     if args.lora_rank:
         add_lora(policy, rank=args.lora_rank, alpha=args.lora_alpha)
     if args.quantize == "nf4":
@@ -277,7 +279,8 @@ def describe(run):
         f"model     {args.model or 'bundled SmolLM2-135M-Instruct'}: {params:.0f}M parameters, "
         f"{precision}" + (f", LoRA rank {args.lora_rank}" if args.lora_rank else "")
         + (f", base in {args.quantize.upper()}" if args.quantize != "none" else "")
-        + (", update's blocks compiled" if run.policy.compiled_layers else ""),
+        + (", update's blocks compiled" if run.policy.compiled_layers else "")
+        + (", activations recomputed in backward" if run.policy.gradient_checkpointing else ""),
         f"data      {args.data} (template {args.template}), held-out: "
         f"{len(run.heldout) if run.heldout else 'none'}",
         f"method    preset {args.preset}{cpu}: {method}, dynamic sampling "

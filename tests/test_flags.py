@@ -130,3 +130,32 @@ def test_a_bad_flag_is_one_clear_line_before_any_work(script, argv):
                           text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert argv[0] in proc.stderr and len(proc.stderr.strip().splitlines()) == 2, proc.stderr
+
+
+def readme_commands():
+    """Every train.py and eval.py command in the README's shell blocks, continuations joined;
+    placeholders (runs/NAME, `...`) and --resume (which reads a run) left out."""
+    text = (ROOT / "README.md").read_text()
+    blocks = "\n".join(b.split("```")[0] for b in text.split("```bash")[1:])
+    out = []
+    for line in blocks.replace("\\\n", " ").split("\n"):
+        line = line.split("#")[0].strip()
+        for part in line.split("&&"):
+            words = part.split()
+            for script in ("train.py", "eval.py"):
+                if script in words and "..." not in words and "--resume" not in words:
+                    out.append((script, words[words.index(script) + 1:]))
+    return out
+
+
+def test_every_readme_command_parses(tmp_path, capsys):
+    """The README's training and evaluation commands are valid as written (flags, values and
+    their combinations; nothing loaded)."""
+    commands = readme_commands()
+    assert sum(s == "train.py" for s, _ in commands) >= 5 and any(s == "eval.py" for s, _ in commands)
+    for script, argv in commands:
+        argv = [str(tmp_path / "out") if a == "runs/NAME/final" else a for a in argv]
+        if script == "train.py":
+            config.parse_config(argv)
+        else:
+            ev.parse_args(argv + ["--out", str(tmp_path / "eval.jsonl")])

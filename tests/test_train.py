@@ -1634,3 +1634,32 @@ def test_a_full_disk_at_final_is_one_line_and_resume_writes_it(tiny, tmp_path, m
     run_train(["--resume", str(out)])
     assert (out / "final" / "model.safetensors").exists()
     assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+def test_a_cpu_run_stops_at_20_minutes_unless_told_and_checkpointing_is_off(tiny, tmp_path):
+    """No --time-limit: 20 minutes on a CPU (the offline default run), none on CUDA (resolved at
+    setup and saved). --activation-checkpointing auto: off on a CPU; bare, on."""
+    import config
+    import launch
+    model_dir, data_file = tiny
+    argv = ["--model", model_dir, "--data", data_file, "--out", str(tmp_path / "run"), "--steps", "1",
+            "--dtype", "float32", "--compile", "off", "--max-new-tokens", "3"]
+    args, _ = config.parse_config(argv)
+    assert args.time_limit is None and args.activation_checkpointing == "auto"
+    run = launch.setup(args)
+    assert run.args.time_limit == 20.0 and not run.policy.gradient_checkpointing
+    args, _ = config.parse_config(argv + ["--activation-checkpointing", "--time-limit", "0"])
+    assert args.activation_checkpointing == "on" and args.time_limit == 0.0
+
+
+def test_activation_checkpointing_auto_is_on_for_a_billion_parameters_on_cuda():
+    from types import SimpleNamespace
+    import config
+    big = torch.nn.Linear(40_000, 25_000, device="meta")  # 1.0e9 parameters, no memory
+    small = torch.nn.Linear(10, 10, device="meta")
+    for device, model, want in (("cuda", big, True), ("cuda", small, False), ("cpu", big, False)):
+        args = SimpleNamespace(activation_checkpointing="auto", device=torch.device(device))
+        assert config.checkpoints_activations(args, model) == want, (device, want)
+    for choice, want in (("on", True), ("off", False), (True, True), (False, False)):  # (old runs)
+        args = SimpleNamespace(activation_checkpointing=choice, device=torch.device("cuda"))
+        assert config.checkpoints_activations(args, small) == want
