@@ -13,7 +13,8 @@ and the +1/-1 rule reward (eq. 7), no KL term.
 
 Imports only torch and the standard library, so any function here can be copied out alone.
 
-    group_advantages(rewards, group_size, kind, eps)   grpo / dr_grpo / rloo / reinforce_baseline
+    group_advantages(rewards, group_size, kind, eps)   grpo / dr_grpo / rloo
+    reinforce_baseline_advantages(rewards, ...)        REINFORCE++-baseline, whitened over tokens
     whiten(values, moments, eps), moments(values)      batch whitening, exact under DDP
     kl_penalised_returns(reward, kl, beta)             REINFORCE++: returns with a KL in the reward
     keep_groups(correct, group_size)                   eq. 11: which groups carry a learning signal
@@ -36,8 +37,8 @@ import math
 
 import torch
 
-ADVANTAGE_KINDS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")  # one per sequence, by group
-ADVANTAGE_ESTIMATORS = ADVANTAGE_KINDS + ("reinforce_pp",)            # --adv-estimator
+ADVANTAGE_KINDS = ("grpo", "dr_grpo", "rloo")  # one per sequence, by group alone
+ADVANTAGE_ESTIMATORS = ADVANTAGE_KINDS + ("reinforce_baseline", "reinforce_pp")  # --adv-estimator
 
 
 def _group_sizes(num_items: int, group_size) -> list[int]:
@@ -71,13 +72,11 @@ def group_advantages(rewards, group_size, kind: str = "grpo", eps: float = 1e-6)
         dr_grpo             A_i = r_i - mean(r)                           Dr. GRPO (arXiv 2503.20783)
         rloo                A_i = r_i - 1/(G-1) sum_{j != i} r_j = G/(G-1) (r_i - mean(r))
                                                                           RLOO (arXiv 2402.14740)
-        reinforce_baseline  A_i = r_i - mean(r), then whitened over all N (REINFORCE++-baseline)
 
     mean / std are over the completion's own group. A group of one has no baseline: advantage 0.
     A group whose rewards are all equal gets exactly 0 (else the mean's rounding error, divided by
     a std just as tiny, becomes an advantage of order 1e-2). fp64 arithmetic; the result has the
-    rewards' floating dtype. `reinforce_baseline` whitens over the rewards passed in; under
-    DDP pass "dr_grpo" here and `whiten` with the moments summed over ranks.
+    rewards' floating dtype.
     """
     rewards = torch.as_tensor(rewards)
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
@@ -100,11 +99,34 @@ def group_advantages(rewards, group_size, kind: str = "grpo", eps: float = 1e-6)
     elif kind == "rloo":
         factor = torch.where(size > 1, size / (size - 1).clamp(min=1), torch.zeros_like(size))
         advantages = centred * factor[index]
-    elif kind == "reinforce_baseline":
-        advantages = whiten(centred, eps=eps)
     else:
         raise ValueError(f"unknown advantage kind {kind!r}; expected one of {ADVANTAGE_KINDS}")
     return advantages.to(out_dtype)
+
+
+def reinforce_baseline_advantages(rewards, group_size, lengths, reduce=None,
+                                  eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu 2025, arXiv 2501.03262), normalised as its authors' code does
+    (OpenRLHF; verl's compute_rf_baseline_outcome_advantage): each reward minus its group's mean,
+    given to every token of its reply, then whitened over every loss token of the batch:
+
+        c_i = r_i - mean_{group(i)}(r)           (0 in an all-equal group; a group of one keeps
+                                                  r_i: the batch mean below is its baseline)
+        A_i = (c_i - mu) / (sigma + eps),  mu = sum_i L_i c_i / sum_i L_i,
+              sigma^2 = sum_i L_i (c_i - mu)^2 / (sum_i L_i - 1)          (unbiased)
+
+    A long reply weighs more, and the advantages' mean over samples is not 0. lengths (N,): each
+    row's loss tokens (0: a row that reaches no loss). reduce: adds the batch's token `moments`
+    over ranks (an all-reduce), so that every rank whitens as one process would.
+    -> (N,) fp64, one advantage per row, the same at each of its tokens"""
+    rewards = torch.as_tensor(rewards, dtype=torch.float64)                  # (N,)
+    sizes = torch.tensor(_group_sizes(rewards.numel(), group_size), dtype=torch.long)
+    alone = torch.repeat_interleave(sizes == 1, sizes)                       # (N,)
+    centred = torch.where(alone, rewards, group_advantages(rewards, group_size, "dr_grpo"))
+    tokens = torch.as_tensor(lengths, dtype=torch.float64)                   # (N,) L_i
+    token_moments = torch.stack([tokens.sum(), (tokens * centred).sum(),
+                                 (tokens * centred * centred).sum()])       # over the tokens
+    return whiten(centred, reduce(token_moments) if reduce else token_moments, eps, center=True)
 
 
 def moments(values) -> torch.Tensor:
@@ -118,11 +140,9 @@ def whiten(values, batch_moments=None, eps: float = 1e-6, center: bool = False) 
     """values / (std + eps), std the unbiased standard deviation over the whole batch; with
     `center`, (values - mean) / (std + eps) (REINFORCE++'s normalisation).
 
-    For group-centred advantages (REINFORCE++-baseline) the batch mean is 0 by construction (each
-    group sums to 0), so whitening divides by the std and subtracts nothing: an all-equal group
-    keeps advantage exactly 0. `batch_moments`: `moments` of the whole batch, e.g. summed over
-    ranks (then every rank divides by the same std as one process would); default the values'
-    own. Fewer than 2 values: returned unchanged.
+    `batch_moments`: `moments` of the whole batch (count, sum, sum of squares; of tokens, when
+    each value stands for several), e.g. summed over ranks (then every rank divides by the same
+    std as one process would); default the values' own. Fewer than 2: returned unchanged.
     """
     values = torch.as_tensor(values, dtype=torch.float64)
     count, total, square_total = (moments(values) if batch_moments is None

@@ -1,6 +1,7 @@
 """Tests for dapo.py: advantage vectors, group filtering and adversarial requests, adaptive budget,
 efficiency bonus, DPO pairs, presets. (The dynamic-sampling loop itself: tests/test_train.py.)"""
 
+import math
 import random
 import sys
 from pathlib import Path
@@ -12,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dapo  # noqa: E402
 from dapo import (LADDER, PRESET_KEYS, PRESETS, adaptive_num_samples, adversarial_requests,  # noqa: E402
-                  dpo_pairs, efficiency_bonus, group_advantages, keep_groups, moments,
-                  step_dpo_pairs, update_accuracy, whiten)
+                  dpo_pairs, efficiency_bonus, group_advantages, keep_groups,
+                  reinforce_baseline_advantages, step_dpo_pairs, update_accuracy)
 from losses import AGGREGATIONS  # noqa: E402
 
 F64 = torch.float64
@@ -48,14 +49,26 @@ def test_rloo_is_reward_minus_mean_of_the_others():
         assert adv[i].item() == pytest.approx((r[i] - sum(others) / 3).item())
 
 
-def test_reinforce_baseline_is_group_centred_then_whitened():
-    torch.manual_seed(1)
-    r = torch.randn(16, dtype=F64)
-    adv = group_advantages(r, 4, "reinforce_baseline", eps=0.0)
-    centred = r - r.view(4, 4).mean(1).repeat_interleave(4)
-    expected = (centred - centred.mean()) / centred.std()
-    torch.testing.assert_close(adv, expected)
-    assert adv.mean().abs().item() < 1e-12 and adv.std().item() == pytest.approx(1.0)
+def test_reinforce_baseline_whitens_over_tokens_as_its_reference_code():
+    """The issue's case, by hand: rewards [0, 1, 0 | 1, 0, 0], replies of 9, 1, 4, 4, 1, 1
+    tokens. Centred: -1/3 and 2/3; over the 20 tokens mu = -1/12, so c - mu is -1/4 and 3/4, and
+    sigma^2 = (15 x 1/16 + 5 x 9/16) / 19: -0.5627 and 1.6882 (OpenRLHF's and verl's figures)."""
+    adv = reinforce_baseline_advantages([0.0, 1.0, 0.0, 1.0, 0.0, 0.0], 3, [9, 1, 4, 4, 1, 1], eps=0.0)
+    sigma = math.sqrt((15 / 16 + 5 * 9 / 16) / 19)
+    torch.testing.assert_close(adv, torch.tensor([-0.25, 0.75, -0.25, 0.75, -0.25, -0.25],
+                                                 dtype=F64) / sigma)
+    assert adv[0].item() == pytest.approx(-0.5627, abs=1e-4) and adv[1].item() == pytest.approx(1.6882, abs=1e-4)
+    # Weighted by tokens: the mean over samples is not 0, the mean over tokens is.
+    tokens = torch.tensor([9, 1, 4, 4, 1, 1], dtype=F64)
+    assert abs(adv.mean().item()) > 0.1 and abs((adv * tokens).sum().item()) < 1e-9
+
+
+def test_reinforce_baseline_group_of_one_keeps_its_raw_score():
+    """Groups [1.0] and [0.5, -0.5] with 2, 1 and 1 tokens: centred 1.0 (alone: no group mean),
+    0.5, -0.5; over the 4 tokens mu = 0.5 and sigma^2 = (2 x 0.25 + 0 + 1) / 3 = 0.5. A row of no
+    loss tokens (length 0) is left out of mu and sigma but still gets its advantage."""
+    adv = reinforce_baseline_advantages([1.0, 0.5, -0.5, 3.0], [1, 2, 1], [2, 1, 1, 0], eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([0.5, 0.0, -1.0, 2.5], dtype=F64) / math.sqrt(0.5))
 
 
 def test_variable_group_sizes_match_group_by_group():
@@ -75,28 +88,33 @@ def test_variable_group_sizes_match_group_by_group():
 
 def test_all_equal_group_has_zero_advantage():
     r = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -1.0])
-    for kind in ("grpo", "dr_grpo", "rloo", "reinforce_baseline"):
+    for kind in ("grpo", "dr_grpo", "rloo"):
         assert group_advantages(r, 3, kind).abs().max().item() == 0.0
     # Shaped rewards of one value that float32 cannot hold exactly (0.1): the mean rounds, and
     # (r - mean) / (std + eps) used to turn the rounding into advantages of ~1e-2 noise.
     r = torch.tensor([0.1, 0.1, 0.1, 0.7, -0.3, 0.1], dtype=torch.float32)
-    for kind in ("grpo", "dr_grpo", "rloo", "reinforce_baseline"):
+    for kind in ("grpo", "dr_grpo", "rloo"):
         adv = group_advantages(r, 3, kind)
         assert adv.dtype == torch.float32 and adv[:3].tolist() == [0.0, 0.0, 0.0], kind
         assert adv[3:].abs().min().item() > 0
 
 
 def test_whitening_is_the_same_over_ranks_as_in_one_process():
-    """REINFORCE-baseline under DDP: each rank whitens its share with the moments summed over
-    ranks, and gets what one process gets on the whole batch (unbiased std in both)."""
+    """REINFORCE++-baseline under DDP: each rank whitens its rows with the token moments summed
+    over ranks, and gets what one process gets on the whole batch (unbiased std in both)."""
     torch.manual_seed(3)
-    r = torch.randn(16, dtype=F64)
-    whole = group_advantages(r, 4, "reinforce_baseline")
-    centred = [group_advantages(part, 4, "dr_grpo") for part in (r[:8], r[8:])]
-    total = moments(centred[0]) + moments(centred[1])
-    shares = torch.cat([whiten(c, total) for c in centred])
-    torch.testing.assert_close(shares, whole)
-    assert whole.std().item() == pytest.approx(1.0, abs=1e-5)  # unbiased (eps 1e-6 aside)
+    r, lengths = torch.randn(16, dtype=F64), torch.randint(0, 30, (16,))
+    whole = reinforce_baseline_advantages(r, 4, lengths)
+    halves = [(r[:8], lengths[:8]), (r[8:], lengths[8:])]
+
+    def token_moments(rewards, lengths):  # count, sum, sum of squares over a half's tokens
+        centred, tokens = group_advantages(rewards, 4, "dr_grpo"), lengths.to(F64)
+        return torch.stack([tokens.sum(), (tokens * centred).sum(), (tokens * centred ** 2).sum()])
+    parts = []
+    for rank, (mine, mine_lengths) in enumerate(halves):
+        other = token_moments(*halves[1 - rank])  # what all_reduce adds: the other rank's
+        parts.append(reinforce_baseline_advantages(mine, 4, mine_lengths, reduce=lambda m: m + other))
+    torch.testing.assert_close(torch.cat(parts), whole)
 
 
 # ---------------------------------------------------------------------------------------------

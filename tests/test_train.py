@@ -734,6 +734,21 @@ def test_micro_batches_by_tokens_give_the_one_batch_update(tiny, tmp_path, agg):
         assert torch.allclose(grad, grads[8][name], atol=1e-7, rtol=1e-5), name
 
 
+def test_reinforce_baseline_whitens_over_the_loss_tokens(tiny, tmp_path):
+    """rollouts()' replies are 2, 1, 3 and 1 tokens: REINFORCE++-baseline weighs each row's
+    centred reward by them; with --overlong-filter a truncated reply reaches no loss and counts
+    no token (it still gets an advantage, masked in the loss)."""
+    import dapo
+    import train
+    batch = rollouts(truncated=[False, False, True, False])
+    for extra, lengths in (([], [2, 1, 3, 1]), (["--overlong-filter"], [2, 1, 0, 1])):
+        run = in_process_run(tmp_path / str(len(extra)), tiny, "--adv-estimator", "reinforce_baseline",
+                             *extra)
+        want = dapo.reinforce_baseline_advantages(batch.rewards, 2, lengths)
+        assert train.with_advantages(run, batch).advantages == pytest.approx(want.tolist(), abs=1e-12)
+    assert want[0] != -want[3]  # weighted by tokens: not the per-sample +-1 pattern
+
+
 def test_a_prompt_too_long_for_the_micro_batch_budget_is_refused_at_load(tiny, tmp_path):
     """The digit prompts are 50 tokens: with --micro-batch-tokens 52 and --max-new-tokens 3 a row
     could not fit a micro-batch alone, so the data is refused before any step, naming both."""
