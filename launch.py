@@ -37,7 +37,7 @@ import runs
 import sharding
 import tracking
 from checkpoints import cpu_has_bf16, load_model, save_model
-from speed import compile_blocks, keep_freed_memory, pack_linears
+from speed import compile_blocks, expandable_cuda_segments, keep_freed_memory, pack_linears
 from distributed import gather, setup_distributed
 from lora import add_lora
 from rollout import line_break_ids, stop_token_ids
@@ -121,6 +121,7 @@ class StopRequest:
 def setup(args):
     """The model, its copies, the optimizer and the data of a run -> Run."""
     keep_freed_memory()
+    expandable_cuda_segments()  # before CUDA's first allocation (setup_distributed's)
     rank, world, device = setup_distributed()
     args.device = device
     if args.time_limit is None:  # a CPU's default run is sized for minutes; a GPU run for hours

@@ -163,6 +163,16 @@ def sampling_products():
 
 # ----------------------------------------------------------------------------- memory
 
+def expandable_cuda_segments():
+    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the environment already says
+    otherwise: every step a rollout frees its KV pool (tens of GB at scale) and the update then
+    asks for activations of other sizes; the caching allocator grows a segment in place instead
+    of holding freed blocks of every size apart (fragmentation: out of memory with memory free).
+    Read at CUDA's first allocation, so an entry point calls it before any (train.py's setup).
+    Nothing on a CPU reads it."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
 def keep_freed_memory():
     """glibc's malloc hands a freed block over 128 KB back to the system, and the next step's
     block of that size is faulted in again page by page: a CPU decode step's logits and their

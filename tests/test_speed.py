@@ -307,3 +307,13 @@ def test_compile_blocks_refuses_a_mixture_of_experts(tiny_ckpt):
     moe_model, _ = load_model(tiny_ckpt("qwen3_moe"))
     with pytest.raises(ValueError, match="Mixture-of-Experts"):
         S.compile_blocks(moe_model)
+
+
+def test_expandable_cuda_segments_unless_the_environment_says_otherwise(monkeypatch):
+    import speed
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    speed.expandable_cuda_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the user's own
+    speed.expandable_cuda_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
