@@ -296,10 +296,14 @@ def main(argv=None):
 
     # The memory task's replies are one line each: its sampler stops at a line break (train.py's too).
     stop_ids = rollout.stop_token_ids(tokenizer) + (rollout.line_break_ids(tokenizer) if memory else [])
-    summary, results = evaluate(
-        model, tokenizer, records, k=args.k, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, max_new_tokens=max_new_tokens, template=template, stop_ids=stop_ids,
-        batch_size=args.batch_size, seed=args.seed, progress=not args.quiet)
+    try:
+        summary, results = evaluate(
+            model, tokenizer, records, k=args.k, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, max_new_tokens=max_new_tokens, template=template, stop_ids=stop_ids,
+            batch_size=args.batch_size, seed=args.seed, progress=not args.quiet)
+    except KeyboardInterrupt:  # (results are written whole or not at all: nothing half-written)
+        print(f"\neval.py: interrupted (Ctrl-C); {args.out} not written", file=sys.stderr)
+        raise SystemExit(130) from None
     out, write_error = args.out, None
     try:
         write_jsonl_atomic(out, results)

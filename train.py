@@ -39,8 +39,10 @@ import dataclasses
 import functools
 import itertools
 import math
+import os
 import random
 import signal
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -536,15 +538,22 @@ def main(argv=None):
     args, explicit = config.parse_config(argv)
     if args.bench and "steps" not in explicit:
         args.steps = 3
-    run = launch.setup(args)
-    progress, carried = launch.load_checkpoint(run) if args.resume else (launch.Progress(), None)
-    progress = replace(progress, carry=Rollouts(**carried) if carried else None)
-    if run.rank == 0 and not args.bench:
-        launch.open_run_directory(run, progress)
-        run = replace(run, tracker=launch.open_tracking(run, progress))  # --report-to
-        print(launch.describe(run), flush=True)
-        if run.heldout and progress.step == 0:
-            launch.evaluate_and_log(run, progress)
+    try:  # Ctrl-C before the steps (loading, the step-0 evaluation): one line, nothing lost
+        run = launch.setup(args)
+        progress, carried = launch.load_checkpoint(run) if args.resume else (launch.Progress(), None)
+        progress = replace(progress, carry=Rollouts(**carried) if carried else None)
+        if run.rank == 0 and not args.bench:
+            launch.open_run_directory(run, progress)
+            run = replace(run, tracker=launch.open_tracking(run, progress))  # --report-to
+            print(launch.describe(run), flush=True)
+            if run.heldout and progress.step == 0:
+                launch.evaluate_and_log(run, progress)
+    except KeyboardInterrupt:
+        made = args.out and os.path.exists(os.path.join(args.out, "config.json"))
+        print("\ntrain.py: interrupted (Ctrl-C) before the training steps: nothing trained since "
+              "the last checkpoint" + (f"; `python train.py --resume {args.out}` goes on" if made
+                                       else ""), file=sys.stderr)
+        raise SystemExit(130) from None
     with launch.StopRequest() as stop, run.tracker:  # signals: at the end of a step, checkpointed
         progress, ended = train_steps(run, progress, stop)
         if ended == "stopped":  # not finished: no final/, an exit status that says so

@@ -399,3 +399,17 @@ def test_eval_py_gives_train_py_numbers_for_the_same_checkpoint(digit_model, tmp
     if task.startswith("memory"):  # every episode's replies, page by page
         assert all(len(row["transcripts"][0]) == row["turns"][0] >= 1 for row in rows)
         assert max(row["turns"][0] for row in rows) == 2
+
+
+def test_ctrl_c_during_the_evaluation_is_one_line_and_writes_nothing(tiny_ckpt, tmp_path, capsys,
+                                                                   monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ev, "evaluate", interrupted)
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(SystemExit) as exit_info:
+        ev.main(["--model", tiny_ckpt("llama"), "--data", "arithmetic", "--limit", "2",
+                 "--max-new-tokens", "2", "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 130 and f"interrupted (Ctrl-C); {out} not written" in err
+    assert not out.exists()

@@ -1678,3 +1678,29 @@ def test_activation_checkpointing_auto_is_on_for_a_billion_parameters_on_cuda():
     for choice, want in (("on", True), ("off", False), (True, True), (False, False)):  # (old runs)
         args = SimpleNamespace(activation_checkpointing=choice, device=torch.device("cuda"))
         assert config.checkpoints_activations(args, small) == want
+
+
+def test_ctrl_c_during_the_step_0_evaluation_is_one_line_and_the_run_goes_on(tiny, tmp_path,
+                                                                             capsys, monkeypatch):
+    """SIGINT's handler for the steps starts after the step-0 held-out evaluation: Ctrl-C there
+    (a KeyboardInterrupt) ends in one line with exit status 130, and --resume goes on."""
+    import gc
+    import launch
+    import train
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(launch, "evaluate_and_log", interrupted)
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--model", model_dir, "--data", data_file, "--steps", "1", "--out", str(out),
+                    "--eval-data", data_file, "--eval-limit", "2"] + BASE)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 130 and "Traceback" not in err
+    assert "interrupted (Ctrl-C) before the training steps" in err and f"--resume {out}` goes on" in err
+    del stopped
+    gc.collect()  # the run's lock on its directory goes with the run
+    monkeypatch.undo()
+    run_train(["--resume", str(out)])
+    assert (out / "final" / "model.safetensors").exists()
