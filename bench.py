@@ -112,6 +112,7 @@ def bench_paths(ours, hf, prompts, args):
 PATH_KEYS = {"ours eager": "ours", "ours compiled": "ours-compiled", "transformers eager": "hf",
              "transformers static+compiled": "hf-compiled", "ours": "ours",
              "ours, blocks compiled": "ours-compiled", "transformers": "hf"}
+PATHS = list(dict.fromkeys(PATH_KEYS.values()))  # ours, ours-compiled, hf, hf-compiled
 
 
 def bandwidth_bound(model: Transformer, rows: int, context: float) -> float:
@@ -474,7 +475,7 @@ def main(argv=None):
     sampler.add_argument("--dtypes", default=None, help="comma-separated, e.g. float32,bfloat16 "
                          "(default: both where the device has native bf16, else float32; update: "
                          "bfloat16 means bf16 autocast)")
-    parser.add_argument("--paths", default="ours,ours-compiled,hf,hf-compiled",
+    parser.add_argument("--paths", default=",".join(PATHS),
                         help="sampler and update: which paths to time, comma-separated, of ours, "
                         "ours-compiled, hf (transformers eager), hf-compiled (sampler only)")
     update = parser.add_argument_group("update")
@@ -486,6 +487,27 @@ def main(argv=None):
     moe.add_argument("--moe-batch", type=int, default=8, help="MoE speed: rows")
     moe.add_argument("--moe-length", type=int, default=256, help="MoE speed: tokens per row")
     args = parser.parse_args(argv)
+    device = checked_device(parser, args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as train.py does: a freed block is not faulted in again at every step
+    try:  # a model that is not there, or only partly: one line, no traceback
+        if args.what == "sampler":
+            bench_sampler(args)
+        elif args.what == "engine":
+            bench_engine(args)
+        elif args.what == "update":
+            if device.type == "cpu":
+                bench_memory(args)
+            bench_update(args)
+        else:
+            bench_moe(args)
+    except (OSError, ValueError) as error:
+        parser.exit(2, f"bench.py: {error}\n")
+
+
+def checked_device(parser, args) -> torch.device:
+    """Every flag checked before any work (a usage error naming it); --paths becomes a list."""
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -504,24 +526,9 @@ def main(argv=None):
             parser.error(f"--dtypes: {name!r} is not one of float32, bfloat16, float16")
     args.paths = args.paths.split(",")
     for key in args.paths:
-        if key not in ("ours", "ours-compiled", "hf", "hf-compiled"):
-            parser.error(f"--paths: {key!r} is not one of ours, ours-compiled, hf, hf-compiled")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    keep_freed_memory()  # as train.py does: a freed block is not faulted in again at every step
-    try:  # a model that is not there, or only partly: one line, no traceback
-        if args.what == "sampler":
-            bench_sampler(args)
-        elif args.what == "engine":
-            bench_engine(args)
-        elif args.what == "update":
-            if device.type == "cpu":
-                bench_memory(args)
-            bench_update(args)
-        else:
-            bench_moe(args)
-    except (OSError, ValueError) as error:
-        parser.exit(2, f"bench.py: {error}\n")
+        if key not in PATHS:
+            parser.error(f"--paths: {key!r} is not one of {', '.join(PATHS)}")
+    return device
 
 
 if __name__ == "__main__":

@@ -462,6 +462,14 @@ def overlong_cache_tokens(args):
     return int(args.overlong_cache)
 
 
+def on_device(args, device):
+    """args.device, and the defaults that depend on it: --time-limit unset is 20 minutes on a CPU
+    (the offline default run is sized for minutes) and none on CUDA (a GPU run for hours)."""
+    args.device = device
+    if args.time_limit is None:
+        args.time_limit = 20.0 if device.type == "cpu" else 0.0
+
+
 def checkpoints_activations(args, model) -> bool:
     """--activation-checkpointing for this model (a run's config.json from before the choice
     holds True or False)."""

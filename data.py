@@ -111,11 +111,12 @@ class DataError(ValueError):
 
 
 def load_records(name_or_path, *, split="train", limit=None, tokenizer=None,
-                 max_prompt_tokens=None, template="dapo"):
+                 max_prompt_tokens=None, template="dapo", limit_from=""):
     """Records from a known name, an `arithmetic:...` spec or a local file, checked row by row.
 
     `limit` keeps the first `limit` records. With a tokenizer and `max_prompt_tokens`, every prompt
-    is also formatted with `template` and checked against that length.
+    is also formatted with `template` and checked against that length (`limit_from`: where that
+    length comes from, for the message).
     """
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise DataError(f"limit must be a positive integer, got {limit!r}")
@@ -147,7 +148,7 @@ def load_records(name_or_path, *, split="train", limit=None, tokenizer=None,
             f"{', '.join(HUB_DATASETS)}, arithmetic (or arithmetic:key=value,...; keys: "
             f"{', '.join(ArithmeticTask.SPEC_KEYS)}); local files: {', '.join(FILE_EXTENSIONS)}")
     validate_records(records, source, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens,
-                     template=template)
+                     template=template, limit_from=limit_from)
     return records
 
 
@@ -377,7 +378,8 @@ def _first_step(solution):
     return first
 
 
-def validate_records(records, source, tokenizer=None, max_prompt_tokens=None, template="dapo"):
+def validate_records(records, source, tokenizer=None, max_prompt_tokens=None, template="dapo",
+                     limit_from=""):
     """Checks every record (types, empty fields, prompt length); raises DataError at the first bad one.
 
     `source` names the file or dataset in messages. Rows are named by record["row"] when present
@@ -402,7 +404,8 @@ def validate_records(records, source, tokenizer=None, max_prompt_tokens=None, te
             if length > max_prompt_tokens:
                 raise DataError(f"{source}: row {record.get('row', position)}: field 'prompt': "
                                 f"{length} tokens with the {template!r} template, longer than the "
-                                f"limit of {max_prompt_tokens}")
+                                f"limit of {max_prompt_tokens}"
+                                + (f" ({limit_from})" if limit_from else ""))
 
 
 # ----------------------------------------------------------------------------------------------

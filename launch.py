@@ -123,9 +123,7 @@ def setup(args):
     keep_freed_memory()
     expandable_cuda_segments()  # before CUDA's first allocation (setup_distributed's)
     rank, world, device = setup_distributed()
-    args.device = device
-    if args.time_limit is None:  # a CPU's default run is sized for minutes; a GPU run for hours
-        args.time_limit = 20.0 if device.type == "cpu" else 0.0
+    config.on_device(args, device)
     args.out = args.resume or args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     writes = rank == 0 and not args.bench
     if writes and not args.resume:  # a bad --out fails now, not after loading (checked again later)
@@ -251,14 +249,9 @@ def load_data(args, tokenizer, context):
         if args.eval_data is None:
             heldout = source.heldout(args.eval_limit)
     else:
-        try:
-            source = data.load_records(args.data, tokenizer=tokenizer, template=args.template,
-                                       max_prompt_tokens=max_train_prompt)
-        except data.DataError as e:
-            if "longer than the limit" in str(e):  # say where the limit comes from
-                raise data.DataError(f"{e} ({within} less --max-new-tokens "
-                                     f"{args.max_new_tokens})") from None
-            raise
+        source = data.load_records(args.data, tokenizer=tokenizer, template=args.template,
+                                   max_prompt_tokens=max_train_prompt,
+                                   limit_from=f"{within} less --max-new-tokens {args.max_new_tokens}")
     if args.eval_data:
         heldout = data.load_records(args.eval_data, split="test", limit=args.eval_limit,
                                     tokenizer=tokenizer, template=args.template,
