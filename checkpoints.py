@@ -368,9 +368,10 @@ def _load_directory(path, dtype, device):
     return model.eval(), tokenizer
 
 
-def _load_hub(repo: str, dtype, device):
-    """A hub id: config.json alone first (seconds), read and checked, and only then the weights
-    and tokenizer, so an unsupported, gated or missing model fails before gigabytes move."""
+def _hub_directory(repo: str, weights: bool = True) -> str:
+    """A hub id's local copy: config.json alone first (seconds), read and checked, and only then
+    the tokenizer and (weights) the weights, so an unsupported, gated or missing model fails
+    before gigabytes move."""
     from huggingface_hub import hf_hub_download, snapshot_download
     try:
         config_path = hf_hub_download(repo, "config.json")
@@ -379,11 +380,10 @@ def _load_hub(repo: str, dtype, device):
                                 f"be fetched from the hub ({type(e).__name__}: {e})") from e
     read_config(config_path)
     try:
-        local = snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "*.txt",
-                                                        "*.model", "*.jinja"])
+        return snapshot_download(repo, allow_patterns=["*.json", "*.txt", "*.model", "*.jinja"]
+                                 + (["*.safetensors"] if weights else []))
     except Exception as e:
         raise FileNotFoundError(f"{repo}: the hub download failed ({type(e).__name__}: {e})") from e
-    return _load_directory(local, dtype, device)
 
 
 def _load_tokenizer(path):
@@ -436,13 +436,10 @@ def convert_gguf(gguf_path: str, out_dir: str):
     save_model(model, tokenizer, out_dir)
 
 
-def load_model(name_or_path=None, *, dtype=None, device=None):
-    """-> (Transformer in eval mode, tokenizer).
-
-    name_or_path: None (the bundled SmolLM2-135M-Instruct), a checkpoint directory, a .gguf file,
-    or a hub id. dtype defaults to float32 on CPU and bfloat16 on CUDA.
-    """
-    device, dtype = default_device_dtype(device, dtype)
+def checkpoint_directory(name_or_path=None, weights: bool = True) -> str:
+    """The local checkpoint directory of name_or_path: None (the bundled SmolLM2-135M-Instruct,
+    converted from its GGUF file once), a .gguf file (the same), a directory, or a hub id
+    (downloaded; without `weights`, its config and tokenizer files only)."""
     if name_or_path is None or str(name_or_path).endswith(".gguf"):
         gguf = bundled_gguf_path() if name_or_path is None else os.path.abspath(name_or_path)
         if not os.path.exists(gguf):
@@ -450,15 +447,39 @@ def load_model(name_or_path=None, *, dtype=None, device=None):
         cached = converted_dir(gguf)
         if not os.path.exists(os.path.join(cached, "config.json")):
             convert_gguf(gguf, cached)  # ~25 s, once
-        return _load_directory(cached, dtype, device)
+        return cached
     path = str(name_or_path)
     if os.path.isdir(path):
-        return _load_directory(path, dtype, device)
+        return path
     if os.path.exists(path):
         raise ValueError(f"{path}: expected a checkpoint directory or a .gguf file")
     if path.startswith((".", "/", "~")) or path.count("/") != 1:
         raise FileNotFoundError(f"{path}: no such directory, and not a hub id (owner/name)")
-    return _load_hub(path, dtype, device)  # a hub id (needs a network)
+    return _hub_directory(path, weights)  # a hub id (needs a network)
+
+
+def load_model(name_or_path=None, *, dtype=None, device=None):
+    """-> (Transformer in eval mode, tokenizer).
+
+    name_or_path: None (the bundled SmolLM2-135M-Instruct), a checkpoint directory, a .gguf file,
+    or a hub id. dtype defaults to float32 on CPU and bfloat16 on CUDA.
+    """
+    device, dtype = default_device_dtype(device, dtype)
+    return _load_directory(checkpoint_directory(name_or_path), dtype, device)
+
+
+def load_tokenizer(name_or_path=None):
+    """A model's tokenizer without its weights (the data's checks run before they load)."""
+    return _load_tokenizer(checkpoint_directory(name_or_path, weights=False))
+
+
+def load_config(name_or_path=None) -> ModelConfig:
+    """The ModelConfig of a model without reading its weights (memory_plan.py's input)."""
+    path = checkpoint_directory(name_or_path, weights=False)
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{path}: no config.json (not a transformers checkpoint directory)")
+    return read_config(config_path)
 
 
 def current_umask() -> int:

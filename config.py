@@ -71,6 +71,12 @@ def run_flags(g):
                    help="minutes of training (evaluation excluded); 0 = no limit (default: 20 on a "
                         "CPU, the offline default run's size; none on CUDA)")
     g.add_argument("--bench", action="store_true", help="time a few steps and exit")
+    g.add_argument("--plan-only", type=float, nargs="?", const=0.0, default=None, metavar="GIB",
+                   help="print the memory plan a rank (memory_plan.py: from config.json and the "
+                        "flags, no weight read) and stop; GIB plans for a GPU of that size (default: "
+                        "this machine's GPU, if any); the ranks are WORLD_SIZE's")
+    g.add_argument("--no-memory-check", action="store_true",
+                   help="start on a GPU even where the memory plan does not fit it")
     g.add_argument("--checkpoint-minutes", type=float, default=5.0,
                    help="minutes between checkpoints (one is also written at the end)")
     g.add_argument("--checkpoint-every", type=int, default=0,
@@ -337,7 +343,7 @@ POSITIVE_FLOATS = ["checkpoint_minutes", "lora_alpha", "temperature", "overlong_
 NONNEGATIVE_FLOATS = ["time_limit", "format_weight", "ppl_threshold", "efficiency_weight",
                       "eps_high", "entropy_coef", "kl_coef", "gkl_alpha", "gkl_beta",
                       "weight_decay", "tis_cap", "tis_floor", "router_aux_coef", "kl_cov_coef",
-                      "reward_kl_coef", "kv_budget"]
+                      "reward_kl_coef", "kv_budget", "plan_only"]
 OTHER_FLOATS = ["correct_reward", "wrong_reward", "eps_low", "clip_c", "top_p", "eval_top_p",
                 "curriculum", "high_entropy_fraction", "clip_cov_low", "clip_cov_high"]
 
@@ -362,7 +368,7 @@ def check_config(args, parser):
             fail(key, f"an integer >= {low}")
     for key in POSITIVE_FLOATS + NONNEGATIVE_FLOATS + OTHER_FLOATS:
         value = getattr(args, key)
-        if not (value is None and key in ("clip_c", "time_limit")) and (
+        if not (value is None and key in ("clip_c", "time_limit", "plan_only")) and (
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
             fail(key, "a finite number")
     for key in POSITIVE_FLOATS:
@@ -470,13 +476,19 @@ def on_device(args, device):
         args.time_limit = 20.0 if device.type == "cpu" else 0.0
 
 
-def checkpoints_activations(args, model) -> bool:
-    """--activation-checkpointing for this model (a run's config.json from before the choice
-    holds True or False)."""
+def checkpoints_activations(args, parameters: int, cuda: bool) -> bool:
+    """--activation-checkpointing for a model of `parameters` on CUDA or not (a run's
+    config.json from before the choice holds True or False)."""
     choice = args.activation_checkpointing
     if choice == "auto":
-        return args.device.type == "cuda" and sum(p.numel() for p in model.parameters()) >= 1e9
+        return cuda and parameters >= 1e9
     return choice in (True, "on")
+
+
+def uses_bf16(args, cuda: bool) -> bool:
+    """--dtype: bf16 rollouts and autocast updates, where asked or (auto) where bf16 is fast."""
+    from checkpoints import cpu_has_bf16
+    return args.dtype == "bfloat16" or (args.dtype == "auto" and (cuda or cpu_has_bf16()))
 
 
 def compile_choice(args):

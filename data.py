@@ -703,6 +703,17 @@ def is_plain_prompt(tokenizer, template):
     return template == "plain-question" or getattr(tokenizer, "chat_template", None) is None
 
 
+def longest_prompt(source, tokenizer, template) -> int | None:
+    """The most tokens a training prompt of `source` takes (memory_plan.py sizes by it): records'
+    longest; an arithmetic task's longest of 64 problems eight curriculum levels up (operands
+    256x larger); None for a task in turns (its prompts grow with the episode)."""
+    if isinstance(source, ArithmeticTask):
+        source = source.at_level(source.level + 8).sample(64, random.Random(0))
+    elif not isinstance(source, list):
+        return None
+    return max((len(format_prompt(record, tokenizer, template)) for record in source), default=0)
+
+
 def format_prompt(record, tokenizer, template="dapo"):
     """Token ids of the prompt for `record`, ready for generation.
 

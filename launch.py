@@ -36,7 +36,9 @@ import quantize
 import runs
 import sharding
 import tracking
-from checkpoints import cpu_has_bf16, load_model, save_model
+import checkpoints
+import memory_plan
+from checkpoints import load_model, save_model
 from speed import compile_blocks, expandable_cuda_segments, keep_freed_memory, pack_linears
 from distributed import gather, setup_distributed
 from lora import add_lora
@@ -137,14 +139,29 @@ def setup(args):
                  f"{world} ranks")
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
+    try:  # config.json and the tokenizer first: the data and the memory plan before any weight
+        model_config, tokenizer = checkpoints.load_config(args.model), checkpoints.load_tokenizer(args.model)
+    except (OSError, ValueError) as e:
+        sys.exit(f"train.py: --model: {e}")
+    refuse_mismatches(args, model_config)
+    if args.template is None:
+        args.template = data.default_template(args.data)
+    try:  # every row is checked before any training
+        source, heldout = load_data(args, tokenizer, model_config.max_seq_len)
+    except data.DataError as e:
+        sys.exit(f"train.py: --data: {e}")
+    capacity = memory_plan.device_capacity(device)  # a GPU's: a run that cannot fit stops here
+    if capacity:
+        memory_plan.check_before_loading(args, model_config, data.longest_prompt(
+            source, tokenizer, args.template), world, capacity, rank)
     try:
         policy, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
     except (OSError, ValueError) as e:
         sys.exit(f"train.py: --model: {e}")
     pack_linears(policy)  # the sampler's products on packed weights, where faster (speed.py)
-    refuse_mismatches(args, policy)
     policy.train()
-    policy.gradient_checkpointing = config.checkpoints_activations(args, policy)
+    policy.gradient_checkpointing = config.checkpoints_activations(
+        args, sum(p.numel() for p in policy.parameters()), device.type == "cuda")
     if args.lora_rank:
         add_lora(policy, rank=args.lora_rank, alpha=args.lora_alpha)
     if args.quantize == "nf4":
@@ -152,15 +169,9 @@ def setup(args):
             quantize.quantize_lora_bases(policy)
         except ValueError as e:
             sys.exit(f"train.py: {e}")
-    if args.template is None:
-        args.template = data.default_template(args.data)
-    try:  # every row is checked before any training
-        source, heldout = load_data(args, tokenizer, policy.config.max_seq_len)
-    except data.DataError as e:
-        sys.exit(f"train.py: --data: {e}")
     if writes and not args.resume:  # a new run: once its model and data passed their checks
         run_lock = claim_run_directory(args)
-    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and (device.type == "cuda" or cpu_has_bf16()))
+    bf16 = config.uses_bf16(args, device.type == "cuda")
     model, sampler, reference = policy_copies(args, policy, bf16)
     if config.compiles_update(args, policy):
         compile_blocks(policy)  # after sharding, as FSDP2 asks; the sampler copy stays eager
@@ -180,11 +191,11 @@ def setup(args):
         variant_rng=random.Random(f"{args.seed}:adversarial:{rank}"))
 
 
-def refuse_mismatches(args, policy):
+def refuse_mismatches(args, model_config):
     """Flags that cannot act on this model or launch, refused by name before any work."""
-    if (args.routing_replay or args.router_aux_coef) and not policy.config.num_experts:
+    if (args.routing_replay or args.router_aux_coef) and not model_config.num_experts:
         sys.exit(f"train.py: --routing-replay and --router-aux-coef act on a Mixture-of-Experts "
-                 f"model; {args.model or 'the bundled model'} ({policy.config.model_type}) "
+                 f"model; {args.model or 'the bundled model'} ({model_config.model_type}) "
                  "has no experts")
     if (args.routing_replay or args.router_aux_coef) and args.algo == "dpo":
         sys.exit("train.py: --routing-replay and --router-aux-coef act on the policy-gradient "
@@ -444,9 +455,12 @@ def append_log(run, name, row):
 
 def print_seconds(step, row):
     """train.py --bench: where a step's time went."""
+    peak = f", peak {row['peak_memory_mib'] / 1024:.2f} GiB" if "peak_memory_mib_rollout" not in row else \
+        f", peak {row['peak_memory_mib_rollout'] / 1024:.2f} GiB in the rollout, " \
+        f"{row['peak_memory_mib'] / 1024:.2f} GiB in the step"
     print(f"step {step}: rollout {row['seconds_rollout']:.1f} s, scoring {row['seconds_scoring']:.1f} "
-          f"s, update {row['seconds_update']:.1f} s, sampler refresh {row['seconds_refresh']:.2f} s",
-          flush=True)
+          f"s, update {row['seconds_update']:.1f} s, sampler refresh {row['seconds_refresh']:.2f} s"
+          + peak, flush=True)
 
 
 def finish(run, progress):

@@ -57,6 +57,7 @@ import distributed
 import episodes
 import launch
 import losses
+import memory_plan
 import metrics
 import moe
 import objectives
@@ -169,6 +170,7 @@ def train_step(run, progress):
     with torch.no_grad():
         collected = collect_rollouts(run, progress)                      # 1-2
     sampled_at = time.perf_counter()
+    rollout_peak = launch.peak_memory_mib(args) if args.device.type == "cuda" else None
     batch = with_old_logprobs(run, collected.kept)                       # 3
     batch = with_advantages(run, batch)                                  # 4
     scored_at = time.perf_counter()
@@ -184,6 +186,8 @@ def train_step(run, progress):
                                {**update_maxima, "peak_memory_mib": launch.peak_memory_mib(args)},
                                seconds)
 
+    if rollout_peak is not None:  # this rank's, beside the step's (memory_plan.py's two phases)
+        row["peak_memory_mib_rollout"] = rollout_peak
     row["accuracy_ema"] = ema = data.curriculum_step(run.source, progress.accuracy_ema,
                                                      row["accuracy"], args.curriculum)
     progress = replace(progress, step=progress.step + 1, updates=row["updates"],
@@ -536,6 +540,8 @@ def added_terms(run, mb, divisors, loss, forward, routing, chosen):
 
 def main(argv=None):
     args, explicit = config.parse_config(argv)
+    if args.plan_only is not None:  # the memory plan, printed; no weight read
+        raise SystemExit(memory_plan.plan_only(args))
     if args.bench and "steps" not in explicit:
         args.steps = 3
     try:  # Ctrl-C before the steps (loading, the step-0 evaluation): one line, nothing lost

@@ -6,6 +6,9 @@
 #   sampler   bench.py sampler, eager, bf16: ROWS rows against transformers' generate, the
 #             matmul-only bound and the GPU's memory-bandwidth bound (measured here)
 #   update    bench.py update, bf16 autocast, eager: forward + backward + AdamW against transformers
+#   train     train.py --bench under torchrun --nproc_per_node 1, 2 steps of TRAIN_PROMPTS x
+#             TRAIN_SAMPLES x TRAIN_TOKENS (64 x 8 x 1,024; a random model's replies run to the
+#             limit): the memory plan, each step's seconds (rollout / scoring / update) and peaks
 #   tests     tests/test_gpu.py but NCCL and compiling: every family against transformers, the
 #             paged decode against full forwards, the GPU's samples against the CPU's; and
 #             test_rollout's check that a decode step never waits on the host
@@ -17,7 +20,8 @@
 # Environment: PYTHON (python3), OUT (a temporary folder), MODEL_DIR (the random model; made unless
 # it holds config.json), DEVICE (cuda; cpu runs the parts on the CPU, for tests/test_recipes.py),
 # BUDGET (seconds for all parts), ROWS ("64 256"), NEW_TOKENS (128), REPEATS (3),
-# LIMIT_<PART> (one part's seconds, e.g. LIMIT_UPDATE=60), SKIP_COMPILE (1: no compiled part).
+# LIMIT_<PART> (one part's seconds, e.g. LIMIT_UPDATE=60), SKIP_COMPILE (1: no compiled part),
+# PARTS (the parts to run, e.g. "train tests"; default all), TRAIN_PROMPTS, TRAIN_SAMPLES, TRAIN_TOKENS.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python=${PYTHON:-python3}
@@ -43,6 +47,10 @@ fi
 part() {
     local name=$1 limit=$2 keep=$3; shift 3
     local override="LIMIT_${name^^}"
+    if [ -n "${PARTS:-}" ] && [[ " $PARTS " != *" $name "* ]]; then
+        echo "## $name: skipped (PARTS=$PARTS)" | tee -a "$results"
+        return 0
+    fi
     limit=${!override:-$limit}
     local left=$((budget - SECONDS))
     ((limit > left)) && limit=$left
@@ -127,6 +135,11 @@ export python device model_dir rows new_tokens repeats
 part sampler 160 "$figures" bash -c 'sampler_at ours,hf'
 part update 60 "$figures" $python bench.py update --device "$device" --model "$model_dir" \
     --dtypes bfloat16 --paths ours,hf --repeats "$repeats"
+# 2 training steps at a real size; --compile off: the eager update, no compile time in the budget
+part train 300 "memory plan|^  [a-z]|^step |Error|error:|fit" $python -m torch.distributed.run \
+    --nproc_per_node 1 train.py --model "$model_dir" --bench --steps 2 --compile off \
+    --prompts-per-step "${TRAIN_PROMPTS:-64}" --samples "${TRAIN_SAMPLES:-8}" \
+    --max-new-tokens "${TRAIN_TOKENS:-1024}" --no-dynamic-sampling --time-limit 0
 tests="PASSED|FAILED|ERROR|passed|failed|skipped"  # pytest -v: a line per test as it ends
 part tests 90 "$tests" $python -m pytest -p no:cacheprovider -v tests/test_gpu.py \
     "tests/test_rollout.py::test_no_host_sync_between_checks_on_cuda[False]" -k "not nccl and not compiled"

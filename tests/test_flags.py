@@ -51,6 +51,7 @@ TRAIN_MEANINGFUL = {
     ("--kv-budget", "0"): "the sampler's KV pool holds every row at its longest",
     ("--max-rows", "0"): "the sampler runs all of a rank's rows at once",
     ("--micro-batch-tokens", "0"): "micro-batches are sized by rows alone",
+    ("--plan-only", "0"): "the plan for this machine's GPU, if any",
 }
 # Values once accepted that cost a run or a result (the list), beyond 0 / -1 / nan / inf.
 TRAIN_EXTRA = [("--eps-low", "2"), ("--clip-c", "0.5"), ("--curriculum", "1.5"),

@@ -178,3 +178,20 @@ def test_gpu_check_keeps_every_finished_part_when_cut_off(tmp_path):
     assert " tok/s " in sampler and "matmul-only bound" in sampler
     assert "## update: cut off at its limit of 1 s" in text
     assert "## nccl" not in text and (out / "sampler.log").exists()
+
+
+@pytest.mark.slow
+def test_gpu_check_train_part_runs_two_steps_and_keeps_their_seconds(tmp_path):
+    """The check's train part (PARTS=train) on the CPU at a tiny size: torchrun, two steps, each
+    step's seconds and peak memory in results.md."""
+    model = digit_checkpoint(tmp_path / "model", context=128)
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable, OUT=str(out), DEVICE="cpu",
+               MODEL_DIR=model, PARTS="train", TRAIN_PROMPTS="4", TRAIN_SAMPLES="4", TRAIN_TOKENS="4")
+    subprocess.run(["bash", str(ROOT / "recipes" / "gpu-check.sh")], env=env, check=True,
+                   capture_output=True, timeout=300)
+    text = (out / "results.md").read_text()
+    assert "## sampler: skipped (PARTS=train)" in text and "## nccl: skipped" in text
+    train = text.split("## train: ")[1]
+    assert train.startswith("ok, ") and "step 1: rollout" in train and "step 2: rollout" in train
+    assert "update" in train and "peak" in train

@@ -1,0 +1,279 @@
+"""A run's memory per rank, planned from the model's config.json and the flags before any weight
+loads: train.py prints it in its header, refuses a run that cannot fit its GPU (naming each term),
+and `--plan-only` prints it alone. The arithmetic, P parameters (P_t of them trained):
+
+  state     fp32 weights 4P, gradients 4P_t, AdamW's two moments 8P_t, and under DDP its gradient
+            buckets 4P_t (the copy it all-reduces); under FSDP (FSDP2) these are split over the
+            ranks; the sampler's bf16 copy 2P (whole on every rank); a frozen reference 4P
+  update    autocast's bf16 copies of the weights, held from the forward to the backward, 2P;
+            the largest micro-batch's activations kept for backward, N tokens x a, where a block
+            keeps a token's (bf16 autocast; C hidden, C_kv key/value width, I the MLP's):
+                2 RMSNorms x 8C (fp32 input and normalised), the inputs of q/k/v cast 3 x 2C, q and
+                k after RoPE 2C + 2C_kv, v 2C_kv, the attention output 2C and its copy for the
+                output projection 2C, the MLP's two casts 2 x 2C, gate, act(gate), up and
+                their product 4 x 2I:  a = 32C + 4C_kv + 8I   (Qwen2.5-1.5B: 119 KiB a block)
+            (float32: 36C + 8C_kv + 16I); with activation checkpointing a block keeps only its
+            fp32 input 4C, and one block's full set exists again while it is recomputed;
+            the final norm and the hidden states the log-probs keep 12C; the head's chunked
+            log-probs in backward: (rows x 64) x V x 6 bytes, and its fp32 gradient 4VC
+  rollout   the KV cache, 2 (keys, values) x layers x C_kv x 2 bytes (bf16) a position, every row at
+            its longest at once if the memory allows (the pool holds at most 90% of what is free,
+            and needs one row at its longest); the decode step's fp32 logits, rows x V x 12
+  setup     today's FSDP loads the whole model in fp32 on every rank and copies it for the
+            sampler before sharding: 8P (sharded loading is not built yet)
+
+The longest row is the prompt's bound (--micro-batch-tokens, else the model's context, less
+--max-new-tokens) plus --max-new-tokens: the plan reads no data. tests/test_memory_plan.py
+checks each term against what the CPU allocates for tiny models.
+"""
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+import config
+from model import ModelConfig, Transformer
+
+GIB = 2 ** 30
+
+
+def size(n: float) -> str:
+    """Bytes for a reader: '12.34 GiB', '512.0 MiB', '3.0 KiB'."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= scale or unit == "KiB":
+            return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
+
+
+def millions(n: int) -> str:
+    return f"{n / 1e6:,.0f}M" if n >= 1e6 else f"{n:,}"
+
+
+@dataclass(frozen=True)
+class Term:
+    phase: str  # "state" (all the time), "update", "rollout" or "setup"
+    name: str
+    bytes: float
+    arithmetic: str  # how it was counted, for the header and the refusal
+
+
+def parameter_counts(cfg: ModelConfig, lora_rank: int = 0) -> tuple[int, int]:
+    """(all parameters, trained ones) of the model `cfg` describes, counted on the meta device
+    (no memory): tied embeddings once, LoRA's adapters added where --lora-rank asks."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+        if lora_rank:
+            from lora import add_lora
+            add_lora(model, rank=lora_rank)
+    params = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def block_activation_bytes(cfg: ModelConfig, layer: int, bf16: bool) -> int:
+    """Bytes a token block `layer` keeps for backward: the module docstring's count, tensor by
+    tensor (bf16 autocast: the norms' fp32 input and normalised copies, each linear's bf16 input,
+    the attention's q, k, v and output; float32: no casts, one input shared by q/k/v)."""
+    C, kv, q = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.num_heads * cfg.head_dim
+    norms = (4 if cfg.gemma else 2) * 8 * C  # input and input / rms, fp32 (Gemma: four norms)
+    if bf16:
+        attention = 6 * C + 2 * q + 4 * kv + 2 * q  # 3 input casts; q, k, v; the output
+    else:
+        attention = 4 * C + 4 * q + 8 * kv + 4 * q  # the normed input; q, k, v; the output
+    if cfg.qk_norm:  # Qwen3, Gemma 3: a norm on every head of q and k
+        attention += (6 if bf16 else 8) * (q + kv)
+    width = 2 if bf16 else 4
+    if cfg.num_experts and cfg.moe_layers[layer]:  # the router, then k experts a token
+        k, inner = cfg.experts_per_token, cfg.moe_intermediate_size
+        mlp = (2 * C if bf16 else 0) + 4 * cfg.num_experts + k * ((10 if bf16 else 12) * C + 4 * width * inner)
+    else:  # the input (two casts under autocast); gate, act(gate), up, their product
+        mlp = 4 * C + 4 * width * cfg.intermediate_size
+    return norms + attention + mlp
+
+
+def kept_bytes(cfg: ModelConfig, row_length: int, bf16: bool, checkpointing: bool) -> int:
+    """Bytes a token the update's forward keeps for backward, in rows of `row_length`: every
+    block's (with checkpointing each block's fp32 input only), then the final norm's and the
+    hidden states the log-probs keep, 12C."""
+    C, L = cfg.hidden_size, cfg.num_layers
+    if checkpointing:
+        return L * 4 * C + 12 * C
+    kept = sum(block_activation_bytes(cfg, i, bf16) for i in range(L)) + 12 * C
+    if cfg.attn_softcap:  # Gemma 2's capped scores: (heads, row) a token in every layer
+        kept += L * cfg.num_heads * row_length * 8
+    return kept
+
+
+def activation_bytes(cfg: ModelConfig, tokens: int, rows: int, row_length: int, bf16: bool,
+                     checkpointing: bool) -> float:
+    """The update's peak above the state for `tokens` positions in `rows` rows of at most
+    `row_length`: what the forward keeps, one block's insides again while it is recomputed
+    (checkpointing), and the log-probs' transients in backward."""
+    C, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
+    per_token = kept_bytes(cfg, row_length, bf16, checkpointing)
+    if checkpointing:
+        per_token += max(block_activation_bytes(cfg, i, bf16) for i in range(L)) \
+            + (cfg.num_heads * row_length * 8 if cfg.attn_softcap else 0)
+    head = min(tokens, rows * 64) * V * 6 + 4 * V * C  # a chunk's logits, the head's fp32 gradient
+    return tokens * per_token + head
+
+
+def kv_bytes_per_position(cfg: ModelConfig, bf16: bool) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (2 if bf16 else 4)
+
+
+def plan(cfg: ModelConfig, *, world: int, distributed: bool, fsdp: bool, bf16: bool,
+         lora_rank: int, reference: bool, rows: int, longest_row: int, micro_batch_size: int,
+         micro_batch_tokens: int, checkpointing: bool, kv_budget: float = 0.0,
+         capacity: float | None = None) -> list[Term]:
+    """The terms of one rank's memory: `rows` its rollout rows a step, `capacity` the device's
+    bytes where known (the KV pool then holds what is left, as rollout.pool_blocks sizes it)."""
+    P, trained = parameter_counts(cfg, lora_rank)
+    split = world if fsdp else 1  # FSDP2 shards weights, gradients and optimizer state
+    over = f" / {world} ranks" if fsdp else ""
+    terms = [Term("state", "weights", 4 * P / split, f"4 B x {millions(P)} fp32{over}"),
+             Term("state", "gradients", 4 * trained / split, f"4 B x {millions(trained)}{over}"),
+             Term("state", "AdamW moments", 8 * trained / split, f"8 B x {millions(trained)}{over}")]
+    if distributed and not fsdp:
+        terms.append(Term("state", "DDP buckets", 4 * trained, f"4 B x {millions(trained)}"))
+    if (bf16 and not lora_rank) or fsdp:
+        width = 2 if bf16 else 4
+        terms.append(Term("state", "sampler copy", width * P, f"{width} B x {millions(P)}"))
+    if reference:
+        terms.append(Term("state", "reference", 4 * P / split, f"4 B x {millions(P)}{over}"))
+    if bf16:
+        terms.append(Term("update", "autocast copies", 2 * P, f"2 B x {millions(P)}"))
+    tokens = min(micro_batch_size * longest_row, micro_batch_tokens or math.inf)
+    micro_rows = max(1, min(micro_batch_size, tokens // longest_row))
+    how = "checkpointed" if checkpointing else \
+        f"{size(block_activation_bytes(cfg, 0, bf16))} a token a block"
+    terms.append(Term("update", "activations",
+                      activation_bytes(cfg, tokens, micro_rows, longest_row, bf16, checkpointing),
+                      f"{tokens:,} tokens, {how}"))
+    logits = Term("rollout", "decode logits", rows * cfg.vocab_size * 12, f"{rows} rows x V x 12 B")
+    terms += [kv_pool(cfg, terms + [logits], rows, longest_row, bf16, kv_budget, capacity), logits]
+    if fsdp:
+        terms.append(Term("setup", "FSDP load", 8 * P, f"8 B x {millions(P)}: whole fp32 + its copy"))
+    return terms
+
+
+def kv_pool(cfg, terms, rows, longest_row, bf16, kv_budget, capacity) -> Term:
+    """The KV cache's term: every row at its longest at once, or the pool the budget (--kv-budget,
+    or on a GPU 90% of what the other rollout terms leave) holds; rows beyond it wait."""
+    per_row = longest_row * kv_bytes_per_position(cfg, bf16)
+    need, limit = rows * per_row, kv_budget * GIB if kv_budget else math.inf
+    if capacity:
+        others = sum(t.bytes for t in terms if t.phase in ("state", "rollout"))
+        limit = min(limit, 0.9 * max(0.0, capacity - others))
+    pool = min(need, limit)
+    at_once = f"{int(pool // per_row)} of {rows} rows" if pool < need else f"all {rows} rows"
+    return Term("rollout", "KV cache", pool, f"{at_once} at {longest_row:,} positions x "
+                f"{size(kv_bytes_per_position(cfg, bf16))} (all: {size(need)})")
+
+
+def phase_peaks(terms: list[Term]) -> dict[str, float]:
+    """Bytes at each phase's peak: the state plus that phase's own terms."""
+    state = sum(t.bytes for t in terms if t.phase == "state")
+    peaks = {phase: state + sum(t.bytes for t in terms if t.phase == phase)
+             for phase in ("rollout", "update")}
+    setup = [t.bytes for t in terms if t.phase == "setup"]
+    if setup:
+        peaks["setup"] = sum(setup)
+    return peaks
+
+
+def describe(terms: list[Term]) -> str:
+    """The plan as lines: each term with its arithmetic, then each phase's peak."""
+    lines = [f"  {t.phase:8} {t.name:16} {size(t.bytes):>11}   {t.arithmetic}" for t in terms]
+    return "\n".join(lines + ["  peak     " + ", ".join(
+        f"{phase} {size(b)}" for phase, b in phase_peaks(terms).items())])
+
+
+def refusal(terms: list[Term], longest_row: int, cfg: ModelConfig, bf16: bool,
+            capacity: float) -> str | None:
+    """Why the run cannot fit `capacity` bytes a rank, or None: a phase over it, or a KV pool
+    that cannot hold one row at its longest."""
+    over = {phase: b for phase, b in phase_peaks(terms).items() if b > capacity}
+    pool = next(t.bytes for t in terms if t.name == "KV cache")
+    if pool < longest_row * kv_bytes_per_position(cfg, bf16):
+        over["rollout"] = phase_peaks(terms)["rollout"] - pool + longest_row * kv_bytes_per_position(cfg, bf16)
+    if not over:
+        return None
+    worst = ", ".join(f"the {phase} needs {size(b)}" for phase, b in over.items())
+    return (f"the memory plan does not fit {size(capacity)} a rank: {worst} (the plan's "
+            f"terms are printed above); lower --micro-batch-tokens or --max-new-tokens, turn "
+            f"--activation-checkpointing on, use --fsdp, more ranks or --lora-rank; or "
+            f"--no-memory-check to run anyway")
+
+
+def for_run(args, cfg: ModelConfig, *, world: int, distributed: bool, cuda: bool,
+            longest_prompt: int | None, capacity: float | None) -> tuple[list[Term], int, bool]:
+    """train.py's plan: its flags `args`, the model `cfg`, `world` ranks (DDP's buckets where
+    `distributed`), planned for CUDA or not, the data's longest prompt (None: the most the flags
+    allow) -> (terms, the longest row, bf16)."""
+    room = min(cfg.max_seq_len, args.micro_batch_tokens or cfg.max_seq_len)
+    longest_row = room if longest_prompt is None else min(room, longest_prompt + args.max_new_tokens)
+    parameters, _ = parameter_counts(cfg)
+    bf16 = config.uses_bf16(args, cuda)
+    terms = plan(cfg, world=world, distributed=distributed, fsdp=args.fsdp, bf16=bf16,
+                 lora_rank=args.lora_rank, rows=args.prompts_per_step // world * args.samples,
+                 reference=config.needs_reference(args) and args.ref == "frozen",
+                 longest_row=longest_row, micro_batch_size=args.micro_batch_size,
+                 micro_batch_tokens=args.micro_batch_tokens, kv_budget=args.kv_budget,
+                 checkpointing=config.checkpoints_activations(args, parameters, cuda),
+                 capacity=capacity)
+    return terms, longest_row, bf16
+
+
+def device_capacity(device) -> float | None:
+    """A CUDA device's bytes (None on a CPU: no refusal there, the system pages)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def check_before_loading(args, cfg: ModelConfig, longest_prompt: int | None, world: int,
+                         capacity: float, rank: int):
+    """train.py's setup on a GPU of `capacity` bytes, before the weights load: the plan, printed
+    (rank 0), and a run that cannot fit refused with the arithmetic (unless --no-memory-check)."""
+    terms, longest_row, bf16 = for_run(args, cfg, world=world, distributed=torch.distributed.is_initialized(),
+                                       cuda=True, longest_prompt=longest_prompt, capacity=capacity)
+    if rank == 0:
+        print(f"memory plan a rank ({world} rank(s), a GPU of {size(capacity)}; rows up to "
+              f"{longest_row:,} positions):\n{describe(terms)}", flush=True)
+    why = refusal(terms, longest_row, cfg, bf16, capacity)
+    if why and not args.no_memory_check:
+        raise SystemExit(f"train.py: {why}")
+
+
+def plan_only(args) -> int:
+    """train.py --plan-only [GIB]: the plan for WORLD_SIZE ranks, printed; nothing loads but
+    config.json, the tokenizer and the data (where they can be read). -> exit status: 1 when a
+    GPU's size is known and the plan does not fit it."""
+    import checkpoints
+    import data
+    from launch import load_data
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    try:
+        cfg = checkpoints.load_config(args.model)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"train.py: --model: {e}")
+    local = str(args.data).startswith(("arithmetic", "memory")) or os.path.exists(str(args.data))
+    try:  # the data's longest prompt, where the tokenizer and the data are here (a hub dataset is
+        # not walked for a plan)
+        if not local:
+            raise FileNotFoundError(f"{args.data} is read from the hub when training")
+        tokenizer = checkpoints.load_tokenizer(args.model)
+        args.template = args.template or data.default_template(args.data)
+        longest, note = data.longest_prompt(load_data(args, tokenizer, cfg.max_seq_len)[0], tokenizer,
+                                            args.template), ""
+    except (OSError, ValueError, data.DataError) as e:
+        longest, note = None, f"; the prompts at their bound: {str(e).splitlines()[0]}"
+    cuda = bool(args.plan_only) or torch.cuda.is_available()
+    capacity = args.plan_only * GIB if args.plan_only else \
+        device_capacity(torch.device("cuda")) if cuda else None
+    terms, longest_row, bf16 = for_run(args, cfg, world=world, distributed="RANK" in os.environ or world > 1,
+                                       cuda=cuda, longest_prompt=longest, capacity=capacity)
+    why = refusal(terms, longest_row, cfg, bf16, capacity) if capacity else None
+    if rank == 0:
+        gpus = f", GPUs of {size(capacity)}" if capacity else ""
+        print(f"memory plan a rank ({world} rank(s){gpus}; rows up to {longest_row:,} positions{note}):\n"
+              f"{describe(terms)}\n" + (why or ("fits" if capacity else "")), flush=True)
+    return 1 if why else 0

@@ -1,0 +1,204 @@
+"""Tests for memory_plan.py: each term of the plan against what the CPU allocates for tiny models
+of every family (bytes kept for backward a token, fp32 and bf16 autocast, with and without
+activation checkpointing; parameters; AdamW's state; the KV cache's blocks), the issue's arithmetic
+for Qwen2.5-0.5B/1.5B/7B, the refusal, and the README's GPU commands planned on paper."""
+
+import json
+import os
+import shlex
+import sys
+
+import pytest
+import torch
+
+from conftest import FAMILIES, ROOT, tiny_config
+import checkpoints
+import config
+import memory_plan as mp
+from lora import add_lora
+from model import PagedKVCache, Transformer
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+# The Qwen2.5 configs' sizes (config.json of Qwen/Qwen2.5-{0.5B,1.5B,7B}-Instruct).
+QWEN25 = {
+    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def qwen25_config(size) -> dict:
+    return dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], max_position_embeddings=32768,
+                rope_theta=1e6, rms_norm_eps=1e-6, hidden_act="silu", bos_token_id=151643,
+                eos_token_id=151645, **QWEN25[size])
+
+
+def wide_config(family):
+    """A tiny model of `family` wide enough that a token's bytes dwarf the per-row constants."""
+    hf = tiny_config(family, hidden_size=256, intermediate_size=704, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=32).to_dict()
+    if family in ("qwen3_moe", "mixtral"):
+        hf.update(moe_intermediate_size=256, intermediate_size=256)
+    return checkpoints.model_config(hf)
+
+
+def saved_bytes(model, rows, length, bf16):
+    """Bytes of the storages the forward keeps for backward (each once), padded rows included."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (rows, length))
+    attn = torch.ones_like(ids)
+    attn[0, :5] = 0  # a left-padded prompt: the packed path
+    storages = {}
+
+    def keep(t):
+        storages[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+        return t
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
+            torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model(ids, attn, return_hidden=True)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gemma3_mm"])
+def test_kept_bytes_a_token_match_what_the_cpu_keeps(family):
+    """The plan's bytes a token against the forward's saved tensors, measured as the slope
+    between rows of 32 and 96 positions (so that the weights' autocast copies and other per-call
+    constants cancel), within 10%, for every family, precision and checkpointing."""
+    cfg = wide_config(family)
+    for bf16 in (False, True):
+        for checkpointing in (False, True):
+            model = Transformer(cfg).train()
+            model.gradient_checkpointing = checkpointing
+            measured = (saved_bytes(model, 4, 96, bf16) - saved_bytes(model, 4, 32, bf16)) / (4 * 64)
+            # (Gemma 2's scores grow with the row: the slope's row length is 32 + 96.)
+            planned = mp.kept_bytes(cfg, 128, bf16, checkpointing)
+            assert abs(measured / planned - 1) < 0.10, (family, bf16, checkpointing, measured, planned)
+
+
+def test_parameters_optimizer_state_and_kv_blocks_match_the_allocated_ones():
+    cfg = wide_config("qwen2")  # tied embeddings
+    model = Transformer(cfg)
+    real = sum(p.numel() for p in model.parameters())
+    assert mp.parameter_counts(cfg) == (real, real)
+    adapted = add_lora(Transformer(cfg), rank=4)
+    assert mp.parameter_counts(cfg, lora_rank=4) == (
+        sum(p.numel() for p in adapted.parameters()),
+        sum(p.numel() for p in adapted.parameters() if p.requires_grad))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, cfg.vocab_size, (1, 8))).sum().backward()
+    optimizer.step()
+    moments = sum(t.nbytes for state in optimizer.state.values() for k, t in state.items() if k != "step")
+    terms = {t.name: t.bytes for t in mp.plan(
+        cfg, world=1, distributed=False, fsdp=False, bf16=True, lora_rank=0, reference=True, rows=4,
+        longest_row=32, micro_batch_size=2, micro_batch_tokens=0, checkpointing=False)}
+    assert terms["AdamW moments"] == moments
+    assert terms["weights"] == terms["gradients"] == sum(p.nbytes for p in model.parameters())
+    assert terms["sampler copy"] == real * 2 and terms["reference"] == real * 4
+    assert "DDP buckets" not in terms  # one process: no DDP wrapper
+    assert terms["KV cache"] == 4 * 32 * mp.kv_bytes_per_position(cfg, True)
+    assert mp.kv_bytes_per_position(cfg, True) * 16 == PagedKVCache.bytes_per_block(cfg, 16, torch.bfloat16)
+
+
+def test_the_qwen25_arithmetic():
+    """The figures issue's arithmetic gives (bf16 autocast, a block's bytes a token: 0.5B 66 KiB,
+    1.5B 118, 7B 257; 1.5B under DDP on 8 ranks ~34 GB of state; KV 12 / 28 / 56 KiB a token)
+    within 10%, and the FSDP split."""
+    for size, kib, kv in (("0.5B", 66, 12), ("1.5B", 118, 28), ("7B", 257, 56)):
+        cfg = checkpoints.model_config(qwen25_config(size))
+        assert abs(mp.block_activation_bytes(cfg, 0, True) / 1024 / kib - 1) < 0.10, size
+        assert mp.kv_bytes_per_position(cfg, True) == kv * 1024
+    cfg = checkpoints.model_config(qwen25_config("1.5B"))
+    common = dict(world=8, bf16=True, lora_rank=0, reference=False, rows=1024, longest_row=5000,
+                  micro_batch_size=16, micro_batch_tokens=8192, checkpointing=True)
+    ddp = mp.plan(cfg, distributed=True, fsdp=False, **common)
+    assert abs(mp.phase_peaks(ddp)["update"] - sum(t.bytes for t in ddp if t.phase == "update")
+               - 34e9) < 3.4e9
+    fsdp = {t.name: t.bytes for t in mp.plan(cfg, distributed=True, fsdp=True, **common)}
+    assert fsdp["AdamW moments"] == 8 * mp.parameter_counts(cfg)[0] / 8 and "DDP buckets" not in fsdp
+    assert fsdp["FSDP load"] == 8 * mp.parameter_counts(cfg)[0]  # what sharded loading will remove
+
+
+def test_a_plan_that_cannot_fit_is_refused_naming_its_terms():
+    cfg = checkpoints.model_config(qwen25_config("7B"))
+    common = dict(world=8, distributed=True, bf16=True, lora_rank=0, reference=False, rows=1024,
+                  longest_row=5000, micro_batch_size=16, micro_batch_tokens=8192, checkpointing=True)
+    capacity = 80 * mp.GIB
+    ddp = mp.plan(cfg, fsdp=False, capacity=capacity, **common)
+    why = mp.refusal(ddp, 5000, cfg, True, capacity)
+    assert "does not fit 80.00 GiB" in why and "the update needs" in why and "--no-memory-check" in why
+    lines = mp.describe(ddp)
+    for name in ("weights", "gradients", "AdamW moments", "DDP buckets", "activations", "KV cache"):
+        assert name in lines
+    fsdp = mp.plan(cfg, fsdp=True, capacity=capacity, **common)
+    assert mp.refusal(fsdp, 5000, cfg, True, capacity) is None
+    kv = next(t for t in fsdp if t.name == "KV cache")  # the pool takes what is left, not all rows
+    assert kv.bytes < 1024 * 5000 * mp.kv_bytes_per_position(cfg, True) and " of 1024 rows" in kv.arithmetic
+    assert max(mp.phase_peaks(fsdp)[p] for p in ("rollout", "update")) <= capacity
+
+
+def readme_gpu_commands():
+    """(ranks, train.py's flags) of each README command that trains a hub model."""
+    text = (ROOT / "README.md").read_text()
+    blocks = "\n".join(b.split("```")[0] for b in text.split("```bash")[1:])
+    out = []
+    for line in blocks.replace("\\\n", " ").split("\n"):
+        words = shlex.split(line.split("#")[0])
+        if "train.py" in words and "--model" in words and "..." not in words:
+            ranks = int(words[words.index("--nproc_per_node") + 1]) if "--nproc_per_node" in words else 1
+            out.append((ranks, words[words.index("train.py") + 1:]))
+    return out
+
+
+def test_the_readme_gpu_commands_fit_an_80gb_gpu_on_paper(tmp_path, monkeypatch, capsys):
+    """Acceptance: each GPU command of the README, as written, planned from its model's
+    config.json (no weights, no tokenizer, the hub data unread: prompts at their bound) for
+    80 GiB GPUs at its number of ranks: it fits."""
+    commands = readme_gpu_commands()
+    assert len(commands) >= 3
+    for ranks, argv in commands:
+        model = argv[argv.index("--model") + 1]
+        size = model.split("Qwen2.5-")[1].split("-")[0]
+        directory = tmp_path / size
+        directory.mkdir(exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(qwen25_config(size)))
+        argv = [str(directory) if a == model else a for a in argv]
+        args, _ = config.parse_config(argv + ["--plan-only", "80"])
+        monkeypatch.setenv("WORLD_SIZE", str(ranks))
+        status = mp.plan_only(args)
+        printed = capsys.readouterr().out
+        assert status == 0 and printed.rstrip().endswith("fits"), (argv, printed)
+        assert f"({ranks} rank(s), GPUs of 80.00 GiB" in printed and "prompts at their bound" in printed
+
+
+def test_plan_only_exits_1_when_the_gpu_is_too_small(tmp_path, monkeypatch, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(qwen25_config("7B")))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args, _ = config.parse_config(["--model", str(tmp_path), "--plan-only", "80"])
+    assert mp.plan_only(args) == 1
+    printed = capsys.readouterr().out
+    assert "does not fit 80.00 GiB a rank" in printed and "AdamW moments" in printed
+
+
+def test_setup_refuses_a_run_its_gpu_cannot_hold_before_any_weight_loads(tmp_path, monkeypatch, capsys):
+    """launch.setup on a 'GPU' of 1 KiB (the capacity stubbed; the CPU runs it): the plan printed,
+    the run refused naming the phase, and the weights never read; --no-memory-check loads them."""
+    import launch
+    from test_train import digit_checkpoint
+    model = digit_checkpoint(tmp_path / "model")
+    monkeypatch.setattr(mp, "device_capacity", lambda device: 2 ** 10)
+    loads = []
+    real_load = launch.load_model
+    monkeypatch.setattr(launch, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    argv = ["--model", model, "--out", str(tmp_path / "run"), "--steps", "1", "--compile", "off",
+            "--prompts-per-step", "2", "--samples", "2", "--max-new-tokens", "4", "--mini-batches", "1"]
+    with pytest.raises(SystemExit) as refused:
+        launch.setup(config.parse_config(argv)[0])
+    printed = capsys.readouterr().out
+    assert "memory plan a rank (1 rank(s), a GPU of 1.0 KiB" in printed and "AdamW moments" in printed
+    assert "does not fit 1.0 KiB a rank: the rollout needs" in str(refused.value) and not loads
+    run = launch.setup(config.parse_config(argv + ["--no-memory-check", "--out", str(tmp_path / "run2")])[0])
+    assert loads and run.policy is not None
