@@ -5,7 +5,8 @@ and `--plan-only` prints it alone. The arithmetic, P parameters (P_t of them tra
   state     fp32 weights 4P, gradients 4P_t, AdamW's two moments 8P_t, and under DDP its gradient
             buckets 4P_t (the copy it all-reduces); under FSDP (FSDP2) these are split over the
             ranks; the sampler's bf16 copy 2P (whole on every rank); a frozen reference 4P
-  update    autocast's bf16 copies of the weights, held from the forward to the backward, 2P;
+  update    autocast's bf16 copies of the weights, held from the forward to the backward, 2P
+            (under FSDP the gathered weights instead: the root's and two blocks');
             the largest micro-batch's activations kept for backward, N tokens x a, where a block
             keeps a token's (bf16 autocast; C hidden, C_kv key/value width, I the MLP's):
                 2 RMSNorms x 8C (fp32 input and normalised), the inputs of q/k/v cast 3 x 2C, q and
@@ -57,16 +58,29 @@ class Term:
     arithmetic: str  # how it was counted, for the header and the refusal
 
 
-def parameter_counts(cfg: ModelConfig, lora_rank: int = 0) -> tuple[int, int]:
-    """(all parameters, trained ones) of the model `cfg` describes, counted on the meta device
-    (no memory): tied embeddings once, LoRA's adapters added where --lora-rank asks."""
+def meta_model(cfg: ModelConfig, lora_rank: int = 0) -> Transformer:
+    """The model `cfg` describes on the meta device (shapes, no memory), with LoRA's adapters
+    where --lora-rank asks."""
     with torch.device("meta"):
         model = Transformer(cfg)
         if lora_rank:
             from lora import add_lora
             add_lora(model, rank=lora_rank)
-    params = {id(p): p for p in model.parameters()}.values()
+    return model
+
+
+def parameter_counts(cfg: ModelConfig, lora_rank: int = 0) -> tuple[int, int]:
+    """(all parameters, trained ones): tied embeddings once."""
+    params = list(meta_model(cfg, lora_rank).parameters())  # (parameters() yields a tied one once)
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def gathered_parameters(cfg: ModelConfig) -> int:
+    """What FSDP holds whole at once in a forward or backward: the root's weights (embeddings,
+    final norm, head) and two blocks (the one running, the next one prefetched)."""
+    model = meta_model(cfg)
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.layers]
+    return sum(p.numel() for p in model.parameters()) - sum(blocks) + 2 * max(blocks)
 
 
 def block_activation_bytes(cfg: ModelConfig, layer: int, bf16: bool) -> int:
@@ -140,7 +154,11 @@ def plan(cfg: ModelConfig, *, world: int, distributed: bool, fsdp: bool, bf16: b
         terms.append(Term("state", "sampler copy", width * P, f"{width} B x {millions(P)}"))
     if reference:
         terms.append(Term("state", "reference", 4 * P / split, f"4 B x {millions(P)}{over}"))
-    if bf16:
+    if fsdp:  # gathered in the compute dtype (bf16 on CUDA with bf16: sharding.shard's policy)
+        whole, width = gathered_parameters(cfg), 2 if bf16 else 4
+        terms.append(Term("update", "gathered weights", width * whole,
+                          f"{width} B x {millions(whole)}: the root and 2 blocks"))
+    elif bf16:
         terms.append(Term("update", "autocast copies", 2 * P, f"2 B x {millions(P)}"))
     tokens = min(micro_batch_size * longest_row, micro_batch_tokens or math.inf)
     micro_rows = max(1, min(micro_batch_size, tokens // longest_row))
