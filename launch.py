@@ -42,6 +42,7 @@ from checkpoints import load_model, save_model
 from speed import compile_blocks, expandable_cuda_segments, keep_freed_memory, pack_linears
 from distributed import gather, setup_distributed
 from lora import add_lora
+from model import Transformer
 from rollout import line_break_ids, stop_token_ids
 
 
@@ -154,25 +155,14 @@ def setup(args):
     if capacity:
         memory_plan.check_before_loading(args, model_config, data.longest_prompt(
             source, tokenizer, args.template), world, capacity, rank)
+    bf16 = config.uses_bf16(args, device.type == "cuda")
     try:
-        policy, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
+        model, policy, sampler, reference = (sharded_policy if args.fsdp else whole_policy)(
+            args, model_config, bf16)
     except (OSError, ValueError) as e:
         sys.exit(f"train.py: --model: {e}")
-    pack_linears(policy)  # the sampler's products on packed weights, where faster (speed.py)
-    policy.train()
-    policy.gradient_checkpointing = config.checkpoints_activations(
-        args, sum(p.numel() for p in policy.parameters()), device.type == "cuda")
-    if args.lora_rank:
-        add_lora(policy, rank=args.lora_rank, alpha=args.lora_alpha)
-    if args.quantize == "nf4":
-        try:
-            quantize.quantize_lora_bases(policy)
-        except ValueError as e:
-            sys.exit(f"train.py: {e}")
     if writes and not args.resume:  # a new run: once its model and data passed their checks
         run_lock = claim_run_directory(args)
-    bf16 = config.uses_bf16(args, device.type == "cuda")
-    model, sampler, reference = policy_copies(args, policy, bf16)
     if config.compiles_update(args, policy):
         compile_blocks(policy)  # after sharding, as FSDP2 asks; the sampler copy stays eager
     trainable = [p for p in policy.parameters() if p.requires_grad]
@@ -209,26 +199,62 @@ def refuse_mismatches(args, model_config):
                  "(`torchrun --nproc_per_node N train.py --fsdp ...`, N = 1 works too)")
 
 
-def policy_copies(args, policy, bf16):
-    """What trains and samples beside the policy -> (the module the update runs through: the
-    DDP wrapper or, under --fsdp, the sharded policy itself; the sampler; the reference or None).
-    Rollouts run on a bf16 copy where bf16 is fast (and on a whole copy under FSDP), refreshed
-    after every step."""
-    device = args.device
-    sampler = copy.deepcopy(policy).to(torch.bfloat16 if bf16 else torch.float32).eval() \
-        if (bf16 and not args.lora_rank) or args.fsdp else policy
+def adapted(args, policy):
+    """The policy as the flags train it, in place: packed products for the sampler (speed.py),
+    activation checkpointing, LoRA's adapters, an NF4 base."""
+    pack_linears(policy)  # the sampler's products on packed weights, where faster
+    policy.train()
+    policy.gradient_checkpointing = config.checkpoints_activations(
+        args, sum(p.numel() for p in policy.parameters()), args.device.type == "cuda")
+    if args.lora_rank:
+        add_lora(policy, rank=args.lora_rank, alpha=args.lora_alpha)
+    if args.quantize == "nf4":
+        try:
+            quantize.quantize_lora_bases(policy)
+        except ValueError as e:
+            sys.exit(f"train.py: {e}")
+    return policy
+
+
+def whole_policy(args, model_config, bf16):
+    """Every rank loads the whole model -> (the module the update runs through: the DDP wrapper
+    under torchrun, else the policy; the policy; the sampler; the reference or None).
+    Rollouts run on a bf16 copy where bf16 is fast, refreshed after every step."""
+    policy = adapted(args, load_model(args.model, dtype=torch.float32, device=args.device)[0])
+    sampler = copy.deepcopy(policy).to(torch.bfloat16).eval() if bf16 and not args.lora_rank else policy
     frozen = config.needs_reference(args) and args.ref == "frozen"
     reference = copy.deepcopy(policy).eval().requires_grad_(False) if frozen else None
-    if args.fsdp:
-        sharding.shard(policy, bf16_on_cuda=bf16 and device.type == "cuda")
-        if reference is not None:
-            sharding.shard(reference, bf16_on_cuda=bf16 and device.type == "cuda")
-        sharding.copy_trainable(sampler, policy)  # rank 0's weights (shard broadcast them)
-        return policy, sampler, reference
     model = torch.nn.parallel.DistributedDataParallel(
-        policy, device_ids=[device.index] if device.type == "cuda" else None) \
+        policy, device_ids=[args.device.index] if args.device.type == "cuda" else None) \
         if dist.is_initialized() else policy
-    return model, sampler, reference
+    return model, policy, sampler, reference
+
+
+def sharded_policy(args, model_config, bf16):
+    """--fsdp: the policy built on the meta device and sharded before any weight exists, rank 0
+    alone reading the checkpoint (sharding.load_sharded); the sampler's whole copy and a frozen
+    reference built from the shards -> (policy, policy, sampler, reference or None)."""
+    device, bf16_on_cuda = args.device, bf16 and args.device.type == "cuda"
+    with torch.device("meta"):
+        skeleton = adapted(args, Transformer(model_config))
+    sampler = copy.deepcopy(skeleton)  # (on the meta device until rank 0's whole copy is gone)
+    frozen = config.needs_reference(args) and args.ref == "frozen"
+    reference = copy.deepcopy(skeleton) if frozen else None
+
+    def read_whole():  # rank 0: the whole model on the host, LoRA's adapters drawn as without FSDP
+        whole = load_model(args.model, dtype=torch.float32, device="cpu")[0]
+        return add_lora(whole, rank=args.lora_rank, alpha=args.lora_alpha) if args.lora_rank else whole
+    policy = sharding.load_sharded(skeleton, read_whole, device, bf16_on_cuda)
+    if reference is not None:  # the same shards, copied rank by rank
+        reference = sharding.shard(reference, bf16_on_cuda).to_empty(device=device)
+        with torch.no_grad():
+            for r, p in zip(reference.parameters(), policy.parameters()):
+                r.copy_(p)
+        reference.eval().requires_grad_(False)
+    sampler = sampler.to_empty(device=device).to(torch.bfloat16 if bf16 else torch.float32).eval()
+    sampler.tie_weights()  # (to_empty gives the tied embedding and head separate tensors)
+    sharding.copy_trainable(sampler, policy, frozen_too=True)
+    return policy, policy, sampler, reference
 
 
 def claim_run_directory(args):
@@ -467,7 +493,8 @@ def finish(run, progress):
     """The held-out accuracy at the end (unless just measured), final/ (the trained weights), and
     a summary line. Every rank calls it (under FSDP they gather the weights together); rank 0
     writes."""
-    final = sharding.gathered_model(run.policy, run.sampler) if run.args.fsdp else run.policy
+    final = sharding.gathered_model(run.policy, run.sampler, keep=run.rank == 0) \
+        if run.args.fsdp else run.policy
     if run.rank != 0:
         return
     args, evals = run.args, []

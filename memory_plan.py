@@ -20,8 +20,8 @@ and `--plan-only` prints it alone. The arithmetic, P parameters (P_t of them tra
   rollout   the KV cache, 2 (keys, values) x layers x C_kv x 2 bytes (bf16) a position, every row at
             its longest at once if the memory allows (the pool holds at most 90% of what is free,
             and needs one row at its longest); the decode step's fp32 logits, rows x V x 12
-  setup     today's FSDP loads the whole model in fp32 on every rank and copies it for the
-            sampler before sharding: 8P (sharded loading is not built yet)
+  (under FSDP rank 0 reads the whole model on the host, 4P there, and sends each rank its shards:
+  no phase holds more of a GPU than the two above)
 
 The longest row is the prompt's bound (--micro-batch-tokens, else the model's context, less
 --max-new-tokens) plus --max-new-tokens: the plan reads no data. tests/test_memory_plan.py
@@ -52,7 +52,7 @@ def millions(n: int) -> str:
 
 @dataclass(frozen=True)
 class Term:
-    phase: str  # "state" (all the time), "update", "rollout" or "setup"
+    phase: str  # "state" (all the time), "update" or "rollout"
     name: str
     bytes: float
     arithmetic: str  # how it was counted, for the header and the refusal
@@ -169,8 +169,6 @@ def plan(cfg: ModelConfig, *, world: int, distributed: bool, fsdp: bool, bf16: b
                       f"{tokens:,} tokens, {how}"))
     logits = Term("rollout", "decode logits", rows * cfg.vocab_size * 12, f"{rows} rows x V x 12 B")
     terms += [kv_pool(cfg, terms + [logits], rows, longest_row, bf16, kv_budget, capacity), logits]
-    if fsdp:
-        terms.append(Term("setup", "FSDP load", 8 * P, f"8 B x {millions(P)}: whole fp32 + its copy"))
     return terms
 
 
@@ -191,12 +189,8 @@ def kv_pool(cfg, terms, rows, longest_row, bf16, kv_budget, capacity) -> Term:
 def phase_peaks(terms: list[Term]) -> dict[str, float]:
     """Bytes at each phase's peak: the state plus that phase's own terms."""
     state = sum(t.bytes for t in terms if t.phase == "state")
-    peaks = {phase: state + sum(t.bytes for t in terms if t.phase == phase)
-             for phase in ("rollout", "update")}
-    setup = [t.bytes for t in terms if t.phase == "setup"]
-    if setup:
-        peaks["setup"] = sum(setup)
-    return peaks
+    return {phase: state + sum(t.bytes for t in terms if t.phase == phase)
+            for phase in ("rollout", "update")}
 
 
 def describe(terms: list[Term]) -> str:

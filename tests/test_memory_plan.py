@@ -119,7 +119,6 @@ def test_the_qwen25_arithmetic():
                - 34e9) < 3.4e9
     fsdp = {t.name: t.bytes for t in mp.plan(cfg, distributed=True, fsdp=True, **common)}
     assert fsdp["AdamW moments"] == 8 * mp.parameter_counts(cfg)[0] / 8 and "DDP buckets" not in fsdp
-    assert fsdp["FSDP load"] == 8 * mp.parameter_counts(cfg)[0]  # what sharded loading will remove
     # FSDP gathers the root and two blocks at a time, in bf16: no autocast copy of the whole model
     assert "autocast copies" not in fsdp and fsdp["gathered weights"] < 0.25 * 2 * mp.parameter_counts(cfg)[0]
 
