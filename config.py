@@ -77,10 +77,13 @@ def run_flags(g):
                         "this machine's GPU, if any); the ranks are WORLD_SIZE's")
     g.add_argument("--no-memory-check", action="store_true",
                    help="start on a GPU even where the memory plan does not fit it")
-    g.add_argument("--checkpoint-minutes", type=float, default=5.0,
-                   help="minutes between checkpoints (one is also written at the end)")
-    g.add_argument("--checkpoint-every", type=int, default=0,
-                   help="also checkpoint every N steps (0 = by time only)")
+    g.add_argument("--checkpoint-minutes", type=float, default=None,
+                   help="minutes between checkpoints, 0 = not by time (one is also written at the "
+                        "end; default: 5 on a CPU, 0 on CUDA, where a step takes minutes and a "
+                        "checkpoint of a 1.5B model is 18.5 GB)")
+    g.add_argument("--checkpoint-every", type=int, default=None,
+                   help="also checkpoint every N steps, 0 = not by steps (default: 0 on a CPU, 10 "
+                        "on CUDA)")
     g.add_argument("--log-samples", type=int, default=4,
                    help="completions written to samples.jsonl each step, with their rewards")
     g.add_argument("--report-to", default="none",
@@ -337,10 +340,10 @@ POSITIVE_INTS = ["steps", "eval_limit", "prompts_per_step", "max_new_tokens", "m
 NONNEGATIVE_INTS = ["seed", "checkpoint_every", "lora_rank", "eval_every", "max_refills", "max_rows",
                     "micro_batch_tokens",
                     "warmup_steps", "eval_samples", "log_samples"]
-POSITIVE_FLOATS = ["checkpoint_minutes", "lora_alpha", "temperature", "overlong_cache", "eval_temperature",
+POSITIVE_FLOATS = ["lora_alpha", "temperature", "overlong_cache", "eval_temperature",
                    "ppl_window", "gkl_gamma", "gkl_temperature", "gkl_weight_temperature",
                    "dpo_beta", "lr", "grad_clip", "sapo_tau_pos", "sapo_tau_neg", "cov_fraction"]
-NONNEGATIVE_FLOATS = ["time_limit", "format_weight", "ppl_threshold", "efficiency_weight",
+NONNEGATIVE_FLOATS = ["time_limit", "checkpoint_minutes", "format_weight", "ppl_threshold", "efficiency_weight",
                       "eps_high", "entropy_coef", "kl_coef", "gkl_alpha", "gkl_beta",
                       "weight_decay", "tis_cap", "tis_floor", "router_aux_coef", "kl_cov_coef",
                       "reward_kl_coef", "kv_budget", "plan_only"]
@@ -364,11 +367,13 @@ def check_config(args, parser):
             fail(action.dest, "true or false")
     for key in POSITIVE_INTS + NONNEGATIVE_INTS + ["samples"]:
         value, low = getattr(args, key), 0 if key in NONNEGATIVE_INTS else 1
+        if value is None and key == "checkpoint_every":  # set by on_device
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             fail(key, f"an integer >= {low}")
     for key in POSITIVE_FLOATS + NONNEGATIVE_FLOATS + OTHER_FLOATS:
         value = getattr(args, key)
-        if not (value is None and key in ("clip_c", "time_limit", "plan_only")) and (
+        if not (value is None and key in ("clip_c", "time_limit", "plan_only", "checkpoint_minutes")) and (
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
             fail(key, "a finite number")
     for key in POSITIVE_FLOATS:
@@ -469,11 +474,17 @@ def overlong_cache_tokens(args):
 
 
 def on_device(args, device):
-    """args.device, and the defaults that depend on it: --time-limit unset is 20 minutes on a CPU
-    (the offline default run is sized for minutes) and none on CUDA (a GPU run for hours)."""
+    """args.device, and the defaults that depend on it: a CPU run (the offline default, sized for
+    minutes) stops after 20 training minutes and checkpoints every 5; a CUDA run (hours, minutes a
+    step, checkpoints of many GB) has no time limit and checkpoints every 10 steps."""
     args.device = device
+    cpu = device.type == "cpu"
     if args.time_limit is None:
-        args.time_limit = 20.0 if device.type == "cpu" else 0.0
+        args.time_limit = 20.0 if cpu else 0.0
+    if args.checkpoint_minutes is None:
+        args.checkpoint_minutes = 5.0 if cpu else 0.0
+    if args.checkpoint_every is None:
+        args.checkpoint_every = 0 if cpu else 10
 
 
 def checkpoints_activations(args, parameters: int, cuda: bool) -> bool:

@@ -113,7 +113,7 @@ def _cut_plain_continuation(text):
 
 def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_k=0,
              max_new_tokens=256, template="dapo", batch_size=None, seed=0, stop_ids=None,
-             compile=None, progress=True):
+             compile=None, progress=True, ids=None):
     """Plays k episodes of each record and scores each one's last reply -> (summary dict,
     per-problem list).
 
@@ -124,6 +124,9 @@ def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_
     `rollout.stop_token_ids(tokenizer)`. compile: rollout.generate's. The summary holds n, k,
     pass@1, avg@k, pass@k, maj@k, mean_length, truncated, temperature, top_p, max_new_tokens,
     template, seconds, tokens_per_s; the per-problem list follows the order of `records`.
+    ids: each record's index in the whole held-out list (default 0, 1, ...), its samples' seed:
+    a problem's samples do not depend on the others beside it, so a rank's share of the records
+    gives the rows one process would (train.py evaluates that way, launch.evaluate_and_log).
     """
     if not records:
         raise ValueError("evaluate: no records")
@@ -139,6 +142,7 @@ def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_
                     stop_token_ids=rollout.stop_token_ids(tokenizer) if stop_ids is None else list(stop_ids),
                     compile=compile)
     batch_size = batch_size or max(1, DEFAULT_ROWS // k)
+    ids = list(range(len(records))) if ids is None else list(ids)
     plain = data.is_plain_prompt(tokenizer, template)
     first_prompts = [data.format_prompt(episodes.next_turn(record, 0), tokenizer, template)
                      for record in records]
@@ -151,10 +155,11 @@ def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_
     solved, generated = 0, 0
     start = time.perf_counter()
     try:
-        for batch_index, at in enumerate(range(0, len(order), batch_size)):
+        for at in range(0, len(order), batch_size):
             indices = order[at:at + batch_size]
             played = episodes.play(model, tokenizer, [records[i] for i in indices], k,
-                                   seed * 1_000_003 + batch_index, template=template, **sampling)
+                                   [seed * 1_000_003 + ids[i] for i in indices], template=template,
+                                   **sampling)
             for j, i in enumerate(indices):  # prompt-major: record j's k episodes at j*k
                 results[i] = _score(records[i], played[j * k:(j + 1) * k], tokenizer, plain)
                 solved += sum(results[i]["correct"])

@@ -432,29 +432,45 @@ def load_checkpoint(run):
 
 def evaluate_and_log(run, progress):
     """Held-out accuracy, greedy (and avg@k with --eval-samples), into eval.jsonl: eval.py's
-    evaluation (evaluation.evaluate), on the sampler copy."""
+    evaluation (evaluation.evaluate), on the sampler copy. Every rank calls it and plays its share
+    of the problems (every world-th); rank 0 gathers the rows, and its summary is the one a single
+    process would give (each problem's samples are seeded by its index). -> the summary"""
     args, started = run.args, time.perf_counter()
     settings = dict(max_new_tokens=args.max_new_tokens, template=args.template, stop_ids=run.stop_ids,
                     compile=config.compile_choice(args), progress=False)
-    greedy, _ = evaluation.evaluate(run.sampler, run.tokenizer, run.heldout, **settings)
-    result = {key: greedy[key] for key in ("pass@1", "n", "mean_length", "truncated")}
+    mine = list(range(run.rank, len(run.heldout), run.world))
+    greedy = held_out_rows(run, mine, settings)
+    result = {key: evaluation.summarize(greedy, 1)[key] for key in ("pass@1", "n", "mean_length", "truncated")}
     if args.eval_samples:
-        sampled, _ = evaluation.evaluate(run.sampler, run.tokenizer, run.heldout, k=args.eval_samples,
-                                         temperature=args.eval_temperature, top_p=args.eval_top_p,
-                                         **settings)
-        result.update({"avg@k": sampled["avg@k"], "k": args.eval_samples})
-    avg_text = f", avg@{args.eval_samples} {result['avg@k']:.3f}" if args.eval_samples else ""
-    print(f"step {progress.step}: held-out accuracy {result['pass@1']:.3f}{avg_text} on {result['n']} "
-          f"problems ({time.perf_counter() - started:.0f} s)", flush=True)
-    row = {"step": progress.step, "train_seconds": progress.train_seconds, **result}
-    append_log(run, "eval.jsonl", row)
-    run.tracker.log(row, progress.step, prefix="eval/")
+        sampled = held_out_rows(run, mine, dict(settings, k=args.eval_samples, temperature=args.eval_temperature,
+                                                top_p=args.eval_top_p))
+        result.update({"avg@k": evaluation.summarize(sampled, args.eval_samples)["avg@k"], "k": args.eval_samples})
+    if run.rank == 0:
+        avg_text = f", avg@{args.eval_samples} {result['avg@k']:.3f}" if args.eval_samples else ""
+        ranks = f" over {run.world} ranks" if run.world > 1 else ""
+        print(f"step {progress.step}: held-out accuracy {result['pass@1']:.3f}{avg_text} on {result['n']} "
+              f"problems{ranks} ({time.perf_counter() - started:.0f} s)", flush=True)
+        row = {"step": progress.step, "train_seconds": progress.train_seconds, **result}
+        append_log(run, "eval.jsonl", row)
+        run.tracker.log(row, progress.step, prefix="eval/")
     return result
+
+
+def held_out_rows(run, mine, settings):
+    """The per-problem rows of the held-out problems `mine` (indices), played on this rank, then
+    every rank's gathered -> all rows in the held-out order."""
+    records = [run.heldout[i] for i in mine]
+    rows = evaluation.evaluate(run.sampler, run.tokenizer, records, ids=mine, **settings)[1] if records else []
+    ordered = [None] * len(run.heldout)
+    for indices, part in zip(gather(mine, run.world), gather(rows, run.world)):
+        for i, row in zip(indices, part):
+            ordered[i] = row
+    return ordered
 
 
 def log_step(run, progress, row, examples, bar):
     """Rank 0 after a step: its row into metrics.jsonl, a few completions into samples.jsonl, the
-    progress bar, and the held-out evaluation every --eval-every steps."""
+    progress bar."""
     args = run.args
     append_log(run, "metrics.jsonl", row)
     for line in examples:
@@ -465,8 +481,6 @@ def log_step(run, progress, row, examples, bar):
     limit = f"/{args.time_limit:g}" if args.time_limit else ""
     bar.set_postfix_str(f"acc {row['accuracy']:.2f} kept {row['groups_kept']}/{row['groups_sampled']} "
                         f"len {row['response_length']:.0f} | {progress.train_seconds / 60:.1f}{limit} min")
-    if run.heldout and args.eval_every and progress.step % args.eval_every == 0:
-        evaluate_and_log(run, progress)
 
 
 def append_log(run, name, row):
@@ -493,15 +507,15 @@ def finish(run, progress):
     """The held-out accuracy at the end (unless just measured), final/ (the trained weights), and
     a summary line. Every rank calls it (under FSDP they gather the weights together); rank 0
     writes."""
+    args, evals = run.args, []
+    if run.heldout:  # rank 0 reads what was measured; every rank evaluates its share if due
+        evals = runs.read_lines(os.path.join(args.out, "eval.jsonl")) if run.rank == 0 else []
+        if gather(not evals or evals[-1]["step"] != progress.step, run.world)[0]:
+            evals.append({"step": progress.step, **evaluate_and_log(run, progress)})
     final = sharding.gathered_model(run.policy, run.sampler, keep=run.rank == 0) \
         if run.args.fsdp else run.policy
     if run.rank != 0:
         return
-    args, evals = run.args, []
-    if run.heldout:
-        evals = runs.read_lines(os.path.join(args.out, "eval.jsonl"))
-        if not evals or evals[-1]["step"] != progress.step:
-            evals.append({"step": progress.step, **evaluate_and_log(run, progress)})
     try:
         save_model(final, run.tokenizer, os.path.join(args.out, "final"))
     except (OSError, SafetensorError) as error:  # a full disk: final/ is written aside, renamed

@@ -552,8 +552,8 @@ def main(argv=None):
             launch.open_run_directory(run, progress)
             run = replace(run, tracker=launch.open_tracking(run, progress))  # --report-to
             print(launch.describe(run), flush=True)
-            if run.heldout and progress.step == 0:
-                launch.evaluate_and_log(run, progress)
+        if run.heldout and progress.step == 0 and not args.bench:  # every rank: its share
+            launch.evaluate_and_log(run, progress)
     except KeyboardInterrupt:
         made = args.out and os.path.exists(os.path.join(args.out, "config.json"))
         print("\ntrain.py: interrupted (Ctrl-C) before the training steps: nothing trained since "
@@ -585,17 +585,20 @@ def train_steps(run, progress, stop):
     while progress.step < args.steps and not over_time and not stopping:
         progress, row, examples = train_step(run, progress)
         # Every rank must stop at the same step (or the others hang in the next collective), and
-        # their clocks differ (rank 0 alone evaluates): the decisions are maxed over ranks.
+        # their clocks differ (rank 0 alone writes): the decisions are maxed over ranks.
+        by_time = args.checkpoint_minutes and time.monotonic() - last_save > args.checkpoint_minutes * 60
+        by_steps = args.checkpoint_every and progress.step % args.checkpoint_every == 0
         flags = reduce_metrics({}, {
             "over_time": float(progress.train_seconds > limit), "stop": float(stop.signum is not None),
-            "save_due": float(time.monotonic() - last_save > args.checkpoint_minutes * 60 or bool(
-                args.checkpoint_every and progress.step % args.checkpoint_every == 0))})
+            "save_due": float(bool(by_time or by_steps))})
         over_time, stopping = flags["over_time"] > 0, flags["stop"] > 0
         if args.bench:  # seconds per part of the step, nothing written
             launch.print_seconds(progress.step, row)
             continue
-        if writes:  # metrics.jsonl, samples.jsonl, the bar, and the held-out evaluation when due
+        if writes:  # metrics.jsonl, samples.jsonl, the bar
             launch.log_step(run, progress, row, examples, bar)
+        if run.heldout and args.eval_every and progress.step % args.eval_every == 0:
+            launch.evaluate_and_log(run, progress)  # every rank: its share of the problems
         if flags["save_due"] or over_time or stopping or progress.step == args.steps:
             launch.save_checkpoint(run, progress)
             last_save = time.monotonic()

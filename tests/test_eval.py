@@ -413,3 +413,17 @@ def test_ctrl_c_during_the_evaluation_is_one_line_and_writes_nothing(tiny_ckpt, 
     err = capsys.readouterr().err
     assert exit_info.value.code == 130 and f"interrupted (Ctrl-C); {out} not written" in err
     assert not out.exists()
+
+
+def test_a_problems_samples_do_not_depend_on_the_others_evaluated(tiny_ckpt):
+    """evaluate seeds each problem by its index (ids): evaluating every other problem, with
+    their indices, gives exactly their rows from evaluating all (how train.py's ranks share it)."""
+    import data
+    import checkpoints as model_lib
+    model, tokenizer = model_lib.load_model(tiny_ckpt("llama"), dtype=torch.float32, device="cpu")
+    records = data.load_records("arithmetic", split="test", limit=6)
+    kwargs = dict(k=2, temperature=1.0, max_new_tokens=5, template="none", batch_size=4, seed=3,
+                  progress=False)
+    _, every = evaluation.evaluate(model, tokenizer, records, **kwargs)
+    _, odd = evaluation.evaluate(model, tokenizer, records[1::2], ids=[1, 3, 5], **kwargs)
+    assert [row["responses"] for row in odd] == [row["responses"] for row in every[1::2]]

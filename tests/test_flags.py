@@ -21,6 +21,7 @@ TRAIN_MEANINGFUL = {
     ("--seed", "0"): "seed 0",
     ("--time-limit", "0"): "no time limit",
     ("--checkpoint-every", "0"): "checkpoints by time only",
+    ("--checkpoint-minutes", "0"): "checkpoints by steps only",
     ("--lora-rank", "0"): "full fine-tuning",
     ("--eval-every", "0"): "held-out accuracy before and after only",
     ("--curriculum", "0"): "no curriculum",

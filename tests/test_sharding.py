@@ -4,6 +4,7 @@ replay), SIGKILL then --resume equals never stopping, final/ loads in transforme
 through torchrun's c10d rendezvous equal one process, and the combinations that cannot work are
 refused by name."""
 
+import json
 import os
 import signal
 import subprocess
@@ -144,3 +145,20 @@ def test_fsdp_needs_torchrun_and_resumes_only_as_written(digits, tmp_path):
     proc = run_train(["--resume", str(tmp_path / "plain"), "--steps", "2", "--fsdp"],
                      launcher=torchrun(), check=False)
     assert proc.returncode != 0 and "written without --fsdp; resume it the same way" in proc.stderr
+
+
+def test_held_out_evaluation_shared_by_two_ranks_equals_one_process(digits, tmp_path):
+    """Every rank plays every world-th held-out problem, rank 0 gathers: eval.jsonl holds the
+    numbers one process writes (greedy and sampled), before, during and after training."""
+    common = common_flags(*digits, "--eval-data", digits[1], "--eval-limit", "7", "--eval-every", "1",
+                          "--eval-samples", "2")
+    run_train(common + ["--out", str(tmp_path / "one")])
+    two = run_train(common + ["--out", str(tmp_path / "two")], launcher=torchrun())
+    assert "held-out accuracy" in two.stdout and "problems over 2 ranks" in two.stdout
+    one, two = ([json.loads(line) for line in (tmp_path / name / "eval.jsonl").read_text().splitlines()]
+                for name in ("one", "two"))
+    assert [row["step"] for row in one] == [row["step"] for row in two] == [0, 1, 2]
+    for a, b in zip(one, two):
+        assert a["n"] == b["n"] == 7
+        for key in ("pass@1", "avg@k", "mean_length", "truncated"):
+            assert a[key] == pytest.approx(b[key], abs=1e-9), (a["step"], key)

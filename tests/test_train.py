@@ -1651,9 +1651,10 @@ def test_a_full_disk_at_final_is_one_line_and_resume_writes_it(tiny, tmp_path, m
     assert [r["step"] for r in metrics(out)] == [1, 2]
 
 
-def test_a_cpu_run_stops_at_20_minutes_unless_told_and_checkpointing_is_off(tiny, tmp_path):
-    """No --time-limit: 20 minutes on a CPU (the offline default run), none on CUDA (resolved at
-    setup and saved). --activation-checkpointing auto: off on a CPU; bare, on."""
+def test_the_device_defaults_time_limit_checkpoints_and_activation_checkpointing(tiny, tmp_path):
+    """No --time-limit: 20 minutes on a CPU (the offline default run), none on CUDA; checkpoints
+    every 5 minutes on a CPU, every 10 steps on CUDA (resolved at setup and saved; given flags
+    win). --activation-checkpointing auto: off on a CPU; bare, on."""
     import config
     import launch
     model_dir, data_file = tiny
@@ -1663,6 +1664,13 @@ def test_a_cpu_run_stops_at_20_minutes_unless_told_and_checkpointing_is_off(tiny
     assert args.time_limit is None and args.activation_checkpointing == "auto"
     run = launch.setup(args)
     assert run.args.time_limit == 20.0 and not run.policy.gradient_checkpointing
+    assert run.args.checkpoint_minutes == 5.0 and run.args.checkpoint_every == 0
+    on_cuda = config.parse_config(argv)[0]
+    config.on_device(on_cuda, torch.device("cuda"))  # (sets the defaults; touches no GPU)
+    assert (on_cuda.time_limit, on_cuda.checkpoint_minutes, on_cuda.checkpoint_every) == (0.0, 0.0, 10)
+    given = config.parse_config(argv + ["--checkpoint-minutes", "30", "--checkpoint-every", "0"])[0]
+    config.on_device(given, torch.device("cuda"))
+    assert (given.checkpoint_minutes, given.checkpoint_every) == (30.0, 0)
     args, _ = config.parse_config(argv + ["--activation-checkpointing", "--time-limit", "0"])
     assert args.activation_checkpointing == "on" and args.time_limit == 0.0
 
