@@ -79,6 +79,24 @@ def gather(obj, world):
     return out
 
 
+def from_rank0(make, rank, world):
+    """make()'s result on every rank, made on rank 0 alone (a hub dataset walked once, not once a
+    rank); an exception make() raises is raised on every rank (else the others would wait)."""
+    if world == 1:
+        return make()
+    box = [None]
+    if rank == 0:
+        try:
+            box[0] = (make(), None)
+        except Exception as error:
+            box[0] = (None, error)
+    dist.broadcast_object_list(box, src=0)
+    value, error = box[0]
+    if error is not None:
+        raise error
+    return value
+
+
 def shut_down(exit_status=0):
     """The process group's end, after every rank has written what it writes; then the process's
     with `exit_status` (0: return, in one process)."""

@@ -40,7 +40,7 @@ import checkpoints
 import memory_plan
 from checkpoints import load_model, save_model
 from speed import compile_blocks, expandable_cuda_segments, keep_freed_memory, pack_linears
-from distributed import gather, setup_distributed
+from distributed import from_rank0, gather, setup_distributed
 from lora import add_lora
 from model import Transformer
 from rollout import line_break_ids, stop_token_ids
@@ -147,8 +147,8 @@ def setup(args):
     refuse_mismatches(args, model_config)
     if args.template is None:
         args.template = data.default_template(args.data)
-    try:  # every row is checked before any training
-        source, heldout = load_data(args, tokenizer, model_config.max_seq_len)
+    try:  # every row is checked before any training, on rank 0, which sends the records to all
+        source, heldout = from_rank0(lambda: load_data(args, tokenizer, model_config.max_seq_len), rank, world)
     except data.DataError as e:
         sys.exit(f"train.py: --data: {e}")
     capacity = memory_plan.device_capacity(device)  # a GPU's: a run that cannot fit stops here

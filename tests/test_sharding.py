@@ -162,3 +162,14 @@ def test_held_out_evaluation_shared_by_two_ranks_equals_one_process(digits, tmp_
         assert a["n"] == b["n"] == 7
         for key in ("pass@1", "avg@k", "mean_length", "truncated"):
             assert a[key] == pytest.approx(b[key], abs=1e-9), (a["step"], key)
+
+
+def test_two_ranks_read_the_data_once_and_both_stop_at_a_bad_row(digits, tmp_path):
+    """Rank 0 alone reads and checks the data (launch.setup, distributed.from_rank0) and sends it;
+    a bad row stops every rank with rank 0's message, none left waiting."""
+    bad = digit_data(tmp_path / "bad.jsonl", n=5, extra={"prompt": "   ", "answer": "2", "id": "x"})
+    proc = run_train(common_flags(digits[0], bad) + ["--out", str(tmp_path / "run")],
+                     launcher=torchrun(), check=False, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.count("bad.jsonl: row 6") >= 2, proc.stderr  # both ranks, one message
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
