@@ -740,12 +740,39 @@ def format_prompt(record, tokenizer, template="dapo"):
         text = f"Question: {question}\nAnswer:"
         if record.get("reply_prefix"):  # the reply is written after it
             text = f"Question: {question}\n{record['reply_prefix']}"
-        return list(tokenizer(text)["input_ids"])
+        # (no marker of its own: any in the text is the user's, spelled out; BOS added)
+        return list(tokenizer(text, split_special_tokens=True)["input_ids"])
+    # A reply prefix (episodes.py: "Memory:") opens the assistant's turn; the model goes on from it.
+    suffix = record.get("reply_prefix", "")
+    if any(marker in m["content"] for m in messages for marker in control_markers(tokenizer)):
+        return chat_ids_with_text_content(tokenizer, messages, suffix)
     # Render to text, then tokenize: apply_chat_template(tokenize=True) returns a list in some
     # transformers versions and a BatchEncoding in others. The template already holds any BOS.
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # A reply prefix (episodes.py: "Memory:") opens the assistant's turn; the model goes on from it.
-    return list(tokenizer(text + record.get("reply_prefix", ""), add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text + suffix, add_special_tokens=False)["input_ids"])
+
+
+def control_markers(tokenizer) -> list[str]:
+    """The strings this tokenizer reads as control tokens (BOS, EOS, a chat template's turn
+    markers such as `<|im_start|>`)."""
+    return [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
+
+
+def chat_ids_with_text_content(tokenizer, messages, suffix=""):
+    """The chat template's ids for `messages` whose content holds control markers: the template's
+    own markers are control tokens, the content's are spelled out as ordinary text, so that data
+    or a demo visitor cannot write `<|im_end|>\n<|im_start|>system ...` and open a turn of its own.
+    The template is rendered around placeholders, and each content tokenized alone."""
+    holes = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters
+    text = tokenizer.apply_chat_template([dict(m, content=hole) for m, hole in zip(messages, holes)],
+                                         add_generation_prompt=True, tokenize=False) + suffix
+    ids = []
+    for message, hole in zip(messages, holes):
+        if hole in text:  # (a template may leave a message out)
+            before, _, text = text.partition(hole)
+            ids += tokenizer(before, add_special_tokens=False)["input_ids"]
+            ids += tokenizer(message["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids + list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 # ----------------------------------------------------------------------------------------------
