@@ -19,11 +19,13 @@ One process writes a run at a time: `lock` refuses a second one. Imports only to
 standard library.
 """
 
+import errno
 import fcntl
 import json
 import math
 import os
 import random
+import shutil
 import socket
 import sys
 import tempfile
@@ -68,7 +70,12 @@ def lock(run_dir):
     """Takes run_dir/run.lock for as long as this process lives (the system releases it when the
     process ends, killed or not) and writes who holds it. -> the open file: keep a reference.
     RunError naming the holder when another process writes this run."""
-    handle = open(os.path.join(run_dir, "run.lock"), "a+")
+    try:
+        handle = open(os.path.join(run_dir, "run.lock"), "a+")
+    except OSError as error:  # a read-only file system, another user's run
+        raise RunError(f"{run_dir}: cannot write there ({error.strerror or error}); a run resumes "
+                       "where it can write: copy it (cp -r) to a writable place and resume the "
+                       "copy") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -159,11 +166,11 @@ def save_checkpoint(run_dir, state):
         torch.save(state, path + ".tmp")
         torch.load(path + ".tmp", map_location="cpu", weights_only=True, mmap=True)  # whole?
     except (OSError, RuntimeError) as error:  # a full disk: torch says "file write failed"
+        reason = _write_failure(error, run_dir)  # (before the half file goes, freeing its space)
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
         kept = "the one before is kept" if os.path.exists(path) else "there is none before it"
-        raise RunError(f"{path}: could not write the checkpoint ({_first_line(error)}); {kept}") \
-            from None
+        raise RunError(f"{path}: could not write the checkpoint ({reason}); {kept}") from None
     if os.path.exists(path):
         os.replace(path, os.path.join(run_dir, PREVIOUS_CHECKPOINT))
     os.replace(path + ".tmp", path)
@@ -171,6 +178,18 @@ def save_checkpoint(run_dir, state):
 
 def _first_line(error):
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+FULL_BELOW = 64 * 2 ** 20  # bytes free under which a failed write is taken for a full disk
+
+
+def _write_failure(error, directory):
+    """Why a write failed, in words. torch's serializer reports a full disk as its own error
+    ("file write failed", "unexpected pos ..."), so the free space says it: a full disk is named."""
+    free = shutil.disk_usage(directory).free
+    if getattr(error, "errno", None) == errno.ENOSPC or free < FULL_BELOW:
+        return f"the disk is full: {free / 2 ** 20:.0f} MiB free where {directory} is"
+    return _first_line(error)
 
 
 def load_checkpoint(run_dir):
@@ -251,9 +270,7 @@ def plot(run_dirs):
     ax.legend(loc="lower right")
     ax.set_title(os.path.basename(os.path.normpath(run_dir)))
     fig.tight_layout()
-    out = os.path.join(run_dir, "curve.png")
-    fig.savefig(out, dpi=100)
-    print(out)
+    print(saved(lambda path: fig.savefig(path, dpi=100), os.path.join(run_dir, "curve.png")))
 
 
 def _pyplot():
@@ -308,12 +325,30 @@ def compare(run_dirs):
     fig.legend(handles=handles, loc="upper center", ncol=min(len(labels), 6), fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
     folder = os.path.commonpath([os.path.abspath(d) for d in run_dirs])
-    fig.savefig(os.path.join(folder, "comparison.png"), dpi=90)
+    figure = saved(lambda path: fig.savefig(path, dpi=90), os.path.join(folder, "comparison.png"))
     table = summary_table(loaded)
-    with open(os.path.join(folder, "comparison.md"), "w") as f:
-        f.write(table + "\n")
+    saved(lambda path: write_text(path, table + "\n"), os.path.join(folder, "comparison.md"))
     print(table)
-    print(os.path.join(folder, "comparison.png"))
+    print(figure)
+
+
+def write_text(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def saved(write, path):
+    """write(path); where that folder cannot be written (a read-only file system, another user's
+    runs), write(the same name in a new temporary folder) and say so -> the path written."""
+    try:
+        write(path)
+        return path
+    except OSError as error:
+        elsewhere = os.path.join(tempfile.mkdtemp(prefix="runs-"), os.path.basename(path))
+        print(f"runs.py: cannot write {path} ({error.strerror or error}); written to {elsewhere}",
+              file=sys.stderr)
+        write(elsewhere)
+        return elsewhere
 
 
 def summary_table(loaded):

@@ -1228,6 +1228,35 @@ def test_plot_reads_a_torn_log_and_names_a_missing_run(tmp_path):
         runs.plot([str(run_dir), str(log)])
 
 
+def test_a_run_on_a_read_only_file_system_is_named_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """--resume's lock and runs.py's plot where nothing can be written (a read-only file system,
+    stood in for by open and savefig raising EROFS there): a RunError saying what to do, and the
+    plot written to a temporary folder instead, said on stderr."""
+    import errno
+    import builtins
+    matplotlib = pytest.importorskip("matplotlib")
+    import runs
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "train_seconds": 6, "accuracy": 0.5}\n')
+
+    def read_only(path, *args, **kwargs):
+        mode = (args[:1] or [kwargs.get("mode", "r")])[0]
+        if str(path).startswith(str(run_dir)) and set(mode) & set("wax+"):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return builtins.open(path, *args, **kwargs)
+    monkeypatch.setattr(runs, "open", read_only, raising=False)
+    with pytest.raises(runs.RunError, match="cannot write there \\(Read-only file system\\); a run resumes"):
+        runs.lock(str(run_dir))
+    real_savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: read_only(path, "wb")
+                        and real_savefig(fig, path, **kw))
+    runs.plot([str(run_dir)])
+    err = capsys.readouterr().err
+    assert f"cannot write {run_dir}/curve.png (Read-only file system); written to" in err
+    assert os.path.exists(err.strip().split("written to ")[1]) and not (run_dir / "curve.png").exists()
+
+
 def test_comparison_table_means_spreads_and_convergence():
     """runs.summary_table: one row per label, mean +- sd over seeds, the first step at 90% of
     the best label's final accuracy (here 0.9 * 0.8 = 72%)."""
@@ -1560,8 +1589,8 @@ def test_sigterm_to_a_torchrun_job_stops_every_rank_at_one_step_with_a_checkpoin
 
 def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_one_before_stays(tiny, tmp_path, monkeypatch):
     """A full disk while a checkpoint is written: torch raises its own RuntimeError halfway
-    through the file. The run says so in one line (an exit, no traceback), leaves no half file,
-    and the checkpoint before it loads."""
+    through the file, which does not say ENOSPC. The run says the disk is full in one line (an
+    exit, no traceback), leaves no half file, and the checkpoint before it loads."""
     import runs
     import train
     model_dir, data_file = tiny
@@ -1578,13 +1607,16 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_one_before_stays(tiny, 
         return real_save(obj, path, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", save_until_the_disk_is_full)
+    real_usage = runs.shutil.disk_usage
+    monkeypatch.setattr(runs.shutil, "disk_usage",  # the disk as full as the write found it
+                        lambda path: real_usage(path)._replace(free=4096) if len(calls) == 2 else real_usage(path))
     with pytest.raises(SystemExit) as stopped:
         train.main(["--model", model_dir, "--data", data_file, "--steps", "3", "--checkpoint-every",
                     "1", "--out", str(out)] + BASE)
     message = str(stopped.value.code)
     assert message.startswith("train.py: ") and "\n" not in message
-    assert "could not write the checkpoint" in message and "file write failed" in message
-    assert "the one before is kept" in message
+    assert "could not write the checkpoint (the disk is full: 0 MiB free where" in message
+    assert "the one before is kept" in message and "enforce fail" not in message
     assert not (out / "checkpoint.pt.tmp").exists()
     assert runs.load_checkpoint(str(out))["progress"]["step"] == 1
 
