@@ -17,6 +17,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import sys
 import threading
@@ -335,11 +336,23 @@ def open_run_directory(run, progress):
 
 
 def open_tracking(run, progress):
-    """--report-to's backends for rank 0 (on resume, from the step after the checkpoint)."""
+    """--report-to's backends for rank 0 (on resume, from the step after the checkpoint). One that
+    cannot start (no network, a login refused) ends the run in one line before any step; a new
+    run's directory, which holds nothing trained yet, goes with it, so the same command starts
+    afresh."""
     args = run.args
-    return tracking.Tracker(tracking.parse_report_to(args.report_to), args.out,
-                            {k: v for k, v in vars(args).items() if k not in ("device", "bench")},
-                            rerun_from=(progress.step + 1 if progress.step else 0) if args.resume else None)
+    try:
+        return tracking.Tracker(tracking.parse_report_to(args.report_to), args.out,
+                                {k: v for k, v in vars(args).items() if k not in ("device", "bench")},
+                                rerun_from=(progress.step + 1 if progress.step else 0) if args.resume else None)
+    except Exception as error:  # (wandb's errors are its own classes)
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        if not args.resume:
+            shutil.rmtree(args.out, ignore_errors=True)
+        after = f"python train.py --resume {args.out} goes on" if args.resume else \
+            f"{args.out} was removed (nothing was trained): the same command starts afresh"
+        sys.exit(f"train.py: --report-to {args.report_to} could not start ({first}); {after}; "
+                 "WANDB_MODE=offline logs without a network")
 
 
 def autocast(run):

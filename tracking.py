@@ -11,7 +11,9 @@ pip install, when one is missing). Rank 0 alone writes.
 """
 
 import importlib.util
+import netrc
 import os
+import urllib.parse
 import uuid
 
 BACKENDS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # backend -> the package it needs
@@ -30,7 +32,30 @@ def parse_report_to(text):
     if missing:
         raise ValueError(f"{text!r} needs {' and '.join(missing)}, which is not installed: "
                          f"pip install {' '.join(missing)}")
+    if "wandb" in names and wandb_online() and not wandb_login_found():  # before any work
+        raise ValueError(f"{text!r}: wandb finds no login (WANDB_API_KEY, or `wandb login`'s entry "
+                         "in ~/.netrc): log in, or log offline with WANDB_MODE=offline and "
+                         "`wandb sync` the run later")
     return list(dict.fromkeys(names))  # each once, in the order given
+
+
+WANDB_INIT_SECONDS = 60  # the most a wandb run waits to start (its own default: 90)
+
+
+def wandb_online() -> bool:
+    return os.environ.get("WANDB_MODE", "online") not in ("offline", "disabled", "dryrun")
+
+
+def wandb_login_found() -> bool:
+    """An API key wandb would use: WANDB_API_KEY, or the entry `wandb login` writes in ~/.netrc
+    (or $NETRC) for its host (WANDB_BASE_URL's, else api.wandb.ai)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def chart_values(row, prefix=""):
@@ -58,7 +83,8 @@ class Tracker:
             try:
                 self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "dapo"), dir=out,
                                         name=os.path.basename(os.path.abspath(out)), config=flags,
-                                        id=wandb_run_id(out), resume="allow")
+                                        id=wandb_run_id(out), resume="allow",
+                                        settings=wandb.Settings(init_timeout=WANDB_INIT_SECONDS))
             except BaseException:
                 self.close()
                 raise

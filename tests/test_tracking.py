@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from test_train import BASE, ROOT, metrics, run_train, tiny  # noqa: F401  (a fixture)
+import tracking
 
 sys.path.insert(0, str(ROOT))
 
@@ -151,3 +152,50 @@ def test_steps_run_again_after_a_kill_are_shown_once_in_tensorboard(tiny, tmp_pa
     logged = [(e.step, e.value) for e in events.Scalars("entropy")]
     assert logged == [(r["step"], pytest.approx(r["entropy"], rel=1e-6)) for r in rows]
     assert [r["step"] for r in rows] == [1, 2, 3] and killed_step_3["step"] == 3
+
+
+def test_wandb_without_a_login_is_refused_before_any_work(tmp_path, monkeypatch):
+    """--report-to wandb online with no API key and no `wandb login` entry: refused by config.py
+    in one line, naming the way out; offline needs no login."""
+    pytest.importorskip("wandb")
+    import config
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    with pytest.raises(ValueError, match="wandb finds no login .* WANDB_MODE=offline"):
+        tracking.parse_report_to("wandb")
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password abc\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert tracking.parse_report_to("wandb") == ["wandb"]
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert tracking.parse_report_to("wandb") == ["wandb"]
+    monkeypatch.delenv("WANDB_MODE")
+    with pytest.raises(SystemExit):
+        config.parse_config(["--report-to", "wandb"])
+
+
+def test_wandb_that_cannot_start_ends_in_one_line_and_leaves_nothing(tiny, tmp_path, monkeypatch):
+    """wandb.init failing (no network: its CommError after its bounded wait) before the first
+    step: one line, no traceback, and the new run's directory gone, so the same command starts
+    afresh; the wait is bounded (init_timeout)."""
+    wandb = pytest.importorskip("wandb")
+    import train
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    asked = {}
+
+    def no_network(**kwargs):
+        asked.update(kwargs)
+        raise wandb.errors.CommError("Run initialization has timed out after 60.0 sec.\nmore")
+    monkeypatch.setattr(wandb, "init", no_network)
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--model", model_dir, "--data", data_file, "--steps", "1", "--out", str(out),
+                    "--report-to", "wandb"] + BASE)
+    message = str(stopped.value.code)
+    assert message.startswith("train.py: --report-to wandb could not start (Run initialization has "
+                              "timed out after 60.0 sec.)") and "\n" not in message
+    assert "the same command starts afresh" in message and not out.exists()
+    assert asked["settings"].init_timeout == tracking.WANDB_INIT_SECONDS
