@@ -38,7 +38,8 @@ import math
 import torch
 
 ADVANTAGE_KINDS = ("grpo", "dr_grpo", "rloo")  # one per sequence, by group alone
-ADVANTAGE_ESTIMATORS = ADVANTAGE_KINDS + ("reinforce_baseline", "reinforce_pp")  # --adv-estimator
+ADVANTAGE_ESTIMATORS = ADVANTAGE_KINDS + ("grpo_passk", "opo", "gpg", "reinforce_baseline",
+                                         "reinforce_pp")  # --adv-estimator
 
 
 def _group_sizes(num_items: int, group_size) -> list[int]:
@@ -102,6 +103,61 @@ def group_advantages(rewards, group_size, kind: str = "grpo", eps: float = 1e-6)
     else:
         raise ValueError(f"unknown advantage kind {kind!r}; expected one of {ADVANTAGE_KINDS}")
     return advantages.to(out_dtype)
+
+
+def passk_advantages(rewards, group_size, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO's pass@k advantage (arXiv 2503.19595; verl's compute_grpo_passk_outcome_advantage):
+    in each group only the best reply learns, by its margin over the runner-up,
+
+        A_best = (r_max - r_second) / (std(r) + eps),   A_i = 0 for every other reply
+
+    std unbiased over the group; a tie for the best gives 0 (verl picks one of the tied, whose
+    margin is 0); a group of one has no runner-up: 0 (verl refuses it). -> (N,) fp64"""
+    values = torch.as_tensor(rewards, dtype=torch.float64)                   # (N,)
+    advantages, start = torch.zeros_like(values), 0
+    for size in _group_sizes(values.numel(), group_size):
+        group = values[start:start + size]                                   # (G,)
+        if size > 1:
+            top = torch.topk(group, 2)
+            advantages[start + top.indices[0]] = (top.values[0] - top.values[1]) / (group.std() + eps)
+        start += size
+    return advantages
+
+
+def opo_advantages(rewards, group_size, lengths) -> torch.Tensor:
+    """OPO (arXiv 2505.23585; verl's compute_opo_outcome_advantage): the optimal baseline for
+    exactly on-policy training, each group's rewards weighted by their replies' lengths, no std:
+
+        A_i = r_i - sum_j L_j r_j / sum_j L_j       (L_j: reply j's loss tokens, in i's group)
+
+    A group of one keeps its raw reward (verl: a baseline of 0), as does a group none of whose
+    replies reaches the loss. -> (N,) fp64"""
+    values = torch.as_tensor(rewards, dtype=torch.float64)                   # (N,)
+    tokens = torch.as_tensor(lengths, dtype=torch.float64)                   # (N,) L_i
+    sizes = _group_sizes(values.numel(), group_size)
+    index = _group_index(sizes)                                              # (N,)
+    weighted = torch.zeros(len(sizes), dtype=torch.float64).index_add_(0, index, tokens * values)
+    total = torch.zeros(len(sizes), dtype=torch.float64).index_add_(0, index, tokens)
+    baseline = torch.where((torch.tensor(sizes) > 1) & (total > 0), weighted / total.clamp(min=1), 0.0)
+    return values - baseline[index]
+
+
+def gpg_advantages(rewards, group_size, reduce=None) -> torch.Tensor:
+    """GPG (arXiv 2504.02546; verl's compute_gpg_outcome_advantage): the group-centred reward,
+    scaled up by how few rewards are not zero in the whole batch,
+
+        A_i = alpha (r_i - mean_{group(i)}(r)),   alpha = N / max(1, #{j : r_j != 0})
+
+    (with 0/1 rewards, alpha = samples / correct ones: a batch with few right answers is not
+    learned from more weakly). N and the count are the whole batch's: `reduce` adds them over
+    ranks. A group of one: a mean of 0 (verl), A = alpha r. -> (N,) fp64"""
+    values = torch.as_tensor(rewards, dtype=torch.float64)                   # (N,)
+    sizes = torch.tensor(_group_sizes(values.numel(), group_size), dtype=torch.long)
+    alone = torch.repeat_interleave(sizes == 1, sizes)                       # (N,)
+    centred = torch.where(alone, values, group_advantages(values, group_size, "dr_grpo"))
+    counts = torch.tensor([float(values.numel()), float((values != 0).sum())], dtype=torch.float64)
+    counts = reduce(counts) if reduce else counts
+    return counts[0] / counts[1].clamp(min=1) * centred
 
 
 def reinforce_baseline_advantages(rewards, group_size, lengths, reduce=None,
@@ -466,6 +522,13 @@ PRESETS: dict[str, dict] = {
     # normalised over the batch's tokens; beta 1e-4 as OpenRLHF's README example.
     "reinforce_pp": {**_BASELINE, "adv_estimator": "reinforce_pp", "reward_kl_coef": 1e-4},
     "reinforce_baseline": {**_BASELINE, "adv_estimator": "reinforce_baseline"},
+    # GRPO's pass@k advantage (arXiv 2503.19595): the best reply of a group learns, by its margin.
+    "grpo_passk": {**_BASELINE, "adv_estimator": "grpo_passk"},
+    # OPO (arXiv 2505.23585): the length-weighted baseline, for exactly on-policy updates (mu 1).
+    "opo": {**_BASELINE, "adv_estimator": "opo", "mini_batches": 1},
+    # GPG (arXiv 2504.02546): the policy gradient itself (one update a step: ratio 1, nothing
+    # clipped), 0/1 rewards, the alpha-scaled group-centred advantage, no KL.
+    "gpg": {**_BASELINE, "adv_estimator": "gpg", "wrong_reward": 0.0, "mini_batches": 1},
     # DPO on correct-vs-incorrect pairs of the same prompt (dpo_pairs), against a frozen reference.
     "dpo": {"algo": "dpo", "dpo_beta": 0.1, "dpo_pairs": "full", "correct_reward": 1.0,
             "wrong_reward": -1.0, "dynamic_sampling": False, "overlong_filter": False,

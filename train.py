@@ -305,15 +305,22 @@ def with_advantages(run, batch):
     rewards_ = torch.tensor([batch.rewards[i] for i in batch.episode_starts()],
                             dtype=torch.float64)  # (E,)
     sizes = batch.episodes_per_group()
-    if run.args.adv_estimator == "reinforce_baseline":  # whitened over all ranks' loss tokens
-        counted = [len(t) * (not (run.args.overlong_filter and cut))
-                   for t, cut in zip(batch.tokens, batch.truncated)]  # (N,) each row's loss tokens
-        tokens = torch.zeros(len(rewards_), dtype=torch.float64).index_add_(
-            0, torch.tensor(batch.episode_index(), dtype=torch.long),
-            torch.tensor(counted, dtype=torch.float64))  # (E,) an episode's, over its turns
+    counted = [len(t) * (not (run.args.overlong_filter and cut))
+               for t, cut in zip(batch.tokens, batch.truncated)]  # (N,) each row's loss tokens
+    tokens = torch.zeros(len(rewards_), dtype=torch.float64).index_add_(
+        0, torch.tensor(batch.episode_index(), dtype=torch.long),
+        torch.tensor(counted, dtype=torch.float64))  # (E,) an episode's, over its turns
+    kind = run.args.adv_estimator
+    if kind == "reinforce_baseline":  # whitened over all ranks' loss tokens
         advantages = dapo.reinforce_baseline_advantages(rewards_, sizes, tokens, all_reduce)
+    elif kind == "opo":
+        advantages = dapo.opo_advantages(rewards_, sizes, tokens)
+    elif kind == "gpg":  # alpha over all ranks' rewards
+        advantages = dapo.gpg_advantages(rewards_, sizes, all_reduce)
+    elif kind == "grpo_passk":
+        advantages = dapo.passk_advantages(rewards_, sizes)
     else:
-        advantages = dapo.group_advantages(rewards_, sizes, run.args.adv_estimator)
+        advantages = dapo.group_advantages(rewards_, sizes, kind)
     return replace(batch, advantages=advantages[batch.episode_index()].tolist())  # (N,)
 
 

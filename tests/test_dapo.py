@@ -288,3 +288,35 @@ def test_reinforce_pp_returns_and_normalisation_vectors():
     parts = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]  # two ranks' moments add up
     total = dapo.moments(parts[0]) + dapo.moments(parts[1])
     assert dapo.whiten(parts[1], total, center=True, eps=0.0).tolist() == [1.0]
+
+
+def test_passk_gives_the_best_reply_its_margin_over_the_runner_up():
+    """grpo_passk by hand: group [0, 1, 0.5] -> the best (index 1) gets (1 - 0.5) / std, std the
+    unbiased 0.5; a tie for the best gives 0; a group of one, 0."""
+    from dapo import passk_advantages
+    adv = passk_advantages([0.0, 1.0, 0.5, 1.0, 1.0, 0.0, 2.0], [3, 3, 1], eps=0.0)
+    assert adv.tolist() == pytest.approx([0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+
+
+def test_opo_subtracts_the_length_weighted_group_mean():
+    """opo by hand: rewards [1, 0 | 1, 0] with lengths [3, 1 | 0, 0]: baseline (3*1 + 1*0) / 4 =
+    0.75 -> [0.25, -0.75]; a group whose replies reach no loss keeps its rewards; a group of one
+    keeps its raw reward."""
+    from dapo import opo_advantages
+    adv = opo_advantages([1.0, 0.0, 1.0, 0.0, -1.0], [2, 2, 1], [3, 1, 0, 0, 5])
+    assert adv.tolist() == pytest.approx([0.25, -0.75, 1.0, 0.0, -1.0])
+
+
+def test_gpg_scales_the_centred_reward_by_the_batch_over_its_non_zero_rewards():
+    """gpg by hand: 0/1 rewards [1, 0 | 0, 0 | 1]: alpha = 5 / 2; centred [0.5, -0.5 | 0, 0 | 1
+    (a group of one keeps its reward)] -> [1.25, -1.25, 0, 0, 2.5]. Split over two 'ranks' whose
+    counts are added, each gives its rows of the whole."""
+    from dapo import gpg_advantages
+    rewards, sizes = [1.0, 0.0, 0.0, 0.0, 1.0], [2, 2, 1]
+    whole = gpg_advantages(rewards, sizes)
+    assert whole.tolist() == pytest.approx([1.25, -1.25, 0.0, 0.0, 2.5])
+    first = torch.tensor([4.0, 1.0])   # rank 0: rows 0-3, one non-zero; rank 1: row 4, one
+    second = torch.tensor([1.0, 1.0])
+    mine = gpg_advantages(rewards[:4], [2, 2], reduce=lambda counts: counts + second)
+    theirs = gpg_advantages(rewards[4:], [1], reduce=lambda counts: counts + first)
+    assert torch.cat([mine, theirs]).tolist() == pytest.approx(whole.tolist())

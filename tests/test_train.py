@@ -437,7 +437,10 @@ UPDATE_METRICS = ("entropy", "clip_frac_low", "clip_frac_high", "approx_kl", "ra
     ["--adv-estimator", "reinforce_pp", "--reward-kl-coef", "0.5"],
     # micro-batches by tokens (rows of 51-53 positions: two a micro-batch), per-prompt divisors
     ["--micro-batch-tokens", "110", "--micro-batch-size", "16", "--loss-agg", "group-token-mean"],
-], ids=["dapo", "gkl", "reinforce_baseline", "chosen-tokens", "reinforce_pp", "token-budget"])
+    # GPG's alpha counts both ranks' non-zero rewards; OPO's baseline weighs each reply's tokens
+    ["--adv-estimator", "gpg", "--wrong-reward", "0"],
+    ["--adv-estimator", "opo"],
+], ids=["dapo", "gkl", "reinforce_baseline", "chosen-tokens", "reinforce_pp", "token-budget", "gpg", "opo"])
 def test_ddp_two_ranks_equal_one_process(tiny, tmp_path, variant):
     """The same global batch in one process and on two gloo ranks: the same weights after the
     updates and the same metrics (summed over ranks, not rank 0's share)."""
@@ -933,7 +936,8 @@ def test_chunked_gkl_term_equals_gkl_loss_on_whole_logits(tiny, tmp_path, agg):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "rloo", "reinforce_baseline", "dpo",
+@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "rloo", "reinforce_baseline", "grpo_passk",
+                                    "opo", "gpg", "dpo",
                                     "step-dpo", "dapo-gkl", "dapo-adversarial", "dapo-ppl",
                                     "dapo-adaptive-budget", "dapo-balanced",
                                     "ladder-1-overlong-filtering"])
