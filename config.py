@@ -192,6 +192,9 @@ def algorithm_flags(g):
     g.add_argument("--algo", default="pg", choices=["pg", "dpo"], help="policy gradient or DPO")
     g.add_argument("--adv-estimator", default="grpo", choices=list(dapo.ADVANTAGE_ESTIMATORS),
                    help="advantage estimator (reinforce_pp: REINFORCE++, one per token)")
+    g.add_argument("--gamma", type=float, default=1.0,
+                   help="reinforce_pp: the discount of its token returns, in (0, 1] (1: summed to "
+                        "the end, the paper's; verl's algorithm.gamma)")
     g.add_argument("--reward-kl-coef", type=float, default=1e-4,
                    help="REINFORCE++: beta of the KL to the reference in each token's reward")
     g.add_argument("--loss-agg", default="token-mean", choices=list(losses.AGGREGATIONS),
@@ -304,6 +307,7 @@ def refuse_inert_flags(args, explicit, parser):
             "sapo_tau_pos": ("--objective sapo", args.objective == "sapo"),
             "sapo_tau_neg": ("--objective sapo", args.objective == "sapo"),
             "reward_kl_coef": ("--adv-estimator reinforce_pp", args.adv_estimator == "reinforce_pp"),
+            "gamma": ("--adv-estimator reinforce_pp", args.adv_estimator == "reinforce_pp"),
             # the clip range: the clipped objectives' (KL-Cov and SAPO have none)
             "eps_low": ("a clipped --objective", args.objective not in ("kl-cov", "sapo")),
             "eps_high": ("a clipped --objective", args.objective not in ("kl-cov", "sapo"))}
@@ -347,7 +351,7 @@ NONNEGATIVE_FLOATS = ["time_limit", "checkpoint_minutes", "format_weight", "ppl_
                       "eps_high", "entropy_coef", "kl_coef", "gkl_alpha", "gkl_beta",
                       "weight_decay", "tis_cap", "tis_floor", "router_aux_coef", "kl_cov_coef",
                       "reward_kl_coef", "kv_budget", "plan_only"]
-OTHER_FLOATS = ["correct_reward", "wrong_reward", "eps_low", "clip_c", "top_p", "eval_top_p",
+OTHER_FLOATS = ["gamma", "correct_reward", "wrong_reward", "eps_low", "clip_c", "top_p", "eval_top_p",
                 "curriculum", "high_entropy_fraction", "clip_cov_low", "clip_cov_high"]
 
 
@@ -458,6 +462,7 @@ def range_rules(args):
             ("clip_cov_high", args.clip_cov_high > args.clip_cov_low, "> --clip-cov-low"),
             ("correct_reward", args.correct_reward > args.wrong_reward, "> --wrong-reward"),
             ("samples", args.samples >= 2, "at least 2 (a group needs two answers to compare)"),
+            ("gamma", 0 < args.gamma <= 1, "in (0, 1]"),
             ("overlong_cache", args.overlong_cache < 1 or (
                 args.overlong_cache == int(args.overlong_cache)
                 and args.overlong_cache <= args.max_new_tokens),

@@ -209,27 +209,35 @@ def whiten(values, batch_moments=None, eps: float = 1e-6, center: bool = False) 
     return (values - total / count * center) / (math.sqrt(variance) + eps)
 
 
-def kl_penalised_returns(reward: float, kl, beta: float) -> torch.Tensor:
+def kl_penalised_returns(reward: float, kl, beta: float, gamma: float = 1.0) -> torch.Tensor:
     """REINFORCE++ (Hu 2025, arXiv 2501.03262, eqs. 3-4): the outcome reward at the last token and
-    a KL penalty at every token, summed to the end (gamma 1):
+    a KL penalty at every token, discounted by gamma to each token (gamma 1: summed to the end):
 
         r_t = I(t = T) r(x, y) - beta KL_t,   KL_t = log pi_old(o_t) - log pi_ref(o_t)   (k1)
-        G_t = sum_{s >= t} r_s = r(x, y) - beta sum_{s >= t} KL_s
+        G_t = sum_{s >= t} gamma^(s - t) r_s      (gamma 1: r(x, y) - beta sum_{s >= t} KL_s)
 
     kl: (T,) per token -> (T,) fp64 returns (normalise them over the batch with `whiten(...,
     center=True)`)."""
     kl = torch.as_tensor(kl, dtype=torch.float64)
-    to_the_end = torch.flip(torch.cumsum(torch.flip(kl, [0]), 0), [0])      # (T,) sum_{s >= t}
-    return reward - beta * to_the_end
+    if gamma == 1.0:
+        to_the_end = torch.flip(torch.cumsum(torch.flip(kl, [0]), 0), [0])  # (T,) sum_{s >= t}
+        return reward - beta * to_the_end
+    step_rewards = (-beta * kl).tolist()                                     # r_t
+    step_rewards[-1] += reward
+    returns, running = [0.0] * len(step_rewards), 0.0
+    for t in reversed(range(len(step_rewards))):  # (Python floats: a tensor op a token is slower)
+        running = step_rewards[t] + gamma * running
+        returns[t] = running
+    return torch.tensor(returns, dtype=torch.float64)
 
 
-def reinforce_pp_advantages(rewards, kl, counted, beta: float, reduce=None) -> list:
+def reinforce_pp_advantages(rewards, kl, counted, beta: float, reduce=None, gamma: float = 1.0) -> list:
     """REINFORCE++'s advantages (arXiv 2501.03262): each row's returns (`kl_penalised_returns`,
     kl[i] the k1 KL of row i's tokens), normalised (mean and std) over every token of the rows
     that reach the loss (`counted`: change 4's filter drops truncated rows) of the whole batch.
     `reduce`: adds the batch's `moments` over ranks (e.g. an all-reduce), so every rank
     normalises as one process would. -> per row, a list of token advantages"""
-    returns = [kl_penalised_returns(reward, k, beta) for reward, k in zip(rewards, kl)]
+    returns = [kl_penalised_returns(reward, k, beta, gamma) for reward, k in zip(rewards, kl)]
     kept = [r for r, c in zip(returns, counted) if c]
     kept_moments = moments(torch.cat(kept) if kept else torch.zeros(0))
     flat = torch.cat(returns) if returns else torch.zeros(0, dtype=torch.float64)  # (sum T_i,)

@@ -335,7 +335,8 @@ def reinforce_pp_advantages(run, batch):
         kl = [torch.tensor(batch.old_logprobs[i], dtype=torch.float64)
               - torch.tensor(reference_logprobs[i], dtype=torch.float64) for i in rows]
     counted = [not (args.overlong_filter and truncated) for truncated in batch.truncated]
-    return dapo.reinforce_pp_advantages(batch.rewards, kl, counted, args.reward_kl_coef, all_reduce)
+    return dapo.reinforce_pp_advantages(batch.rewards, kl, counted, args.reward_kl_coef, all_reduce,
+                                        getattr(args, "gamma", 1.0))  # (runs from before --gamma)
 
 
 @torch.no_grad()

@@ -320,3 +320,14 @@ def test_gpg_scales_the_centred_reward_by_the_batch_over_its_non_zero_rewards():
     mine = gpg_advantages(rewards[:4], [2, 2], reduce=lambda counts: counts + second)
     theirs = gpg_advantages(rewards[4:], [1], reduce=lambda counts: counts + first)
     assert torch.cat([mine, theirs]).tolist() == pytest.approx(whole.tolist())
+
+
+def test_reinforce_pp_returns_discounted_by_gamma():
+    """--gamma by hand: kl [0.1, 0.2, 0.3], beta 1, reward 1 -> step rewards [-0.1, -0.2, 0.7];
+    gamma 0.5: G = [-0.1 + 0.5 * 0.15, -0.2 + 0.5 * 0.7, 0.7] = [-0.025, 0.15, 0.7]; gamma 1:
+    summed to the end, [0.4, 0.5, 0.7], and a gamma a hair below 1 agrees with it."""
+    from dapo import kl_penalised_returns
+    kl = [0.1, 0.2, 0.3]
+    assert kl_penalised_returns(1.0, kl, 1.0, gamma=0.5).tolist() == pytest.approx([-0.025, 0.15, 0.7])
+    assert kl_penalised_returns(1.0, kl, 1.0).tolist() == pytest.approx([0.4, 0.5, 0.7])
+    assert kl_penalised_returns(1.0, kl, 1.0, gamma=1 - 1e-12).tolist() == pytest.approx([0.4, 0.5, 0.7])

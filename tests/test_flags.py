@@ -83,7 +83,8 @@ def train_cases():
 TRAIN_CONTEXT = {"--cov-fraction": ["--objective", "kl-cov"], "--kl-cov-coef": ["--objective", "kl-cov"],
                  "--clip-cov-low": ["--objective", "clip-cov"], "--clip-cov-high": ["--objective", "clip-cov"],
                  "--sapo-tau-pos": ["--objective", "sapo"], "--sapo-tau-neg": ["--objective", "sapo"],
-                 "--reward-kl-coef": ["--adv-estimator", "reinforce_pp"]}
+                 "--reward-kl-coef": ["--adv-estimator", "reinforce_pp"],
+                 "--gamma": ["--adv-estimator", "reinforce_pp"]}
 
 
 @pytest.mark.parametrize("flag, value", train_cases())

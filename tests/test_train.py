@@ -807,13 +807,16 @@ def test_rollout_correction_and_choice_flags_are_checked(capsys):
         assert named in capsys.readouterr().err, argv
 
 
-def test_reinforce_pp_advantages_hold_the_kl_to_the_reference(tiny, tmp_path):
+@pytest.mark.parametrize("gamma", [1.0, 0.7])
+def test_reinforce_pp_advantages_hold_the_kl_to_the_reference(tiny, tmp_path, gamma):
     """--adv-estimator reinforce_pp: each token's return is the reward minus beta times the k1 KL
-    (pi_old against the reference) from that token to the end, normalised over every token of
-    the batch; checked against log-probs made here from the two models' plain logits."""
+    (pi_old against the reference) from that token to the end (discounted by --gamma),
+    normalised over every token of the batch; checked against log-probs made here from the two
+    models' plain logits."""
     import dapo
     import train
-    run = in_process_run(tmp_path, tiny, "--adv-estimator", "reinforce_pp", "--reward-kl-coef", "0.5")
+    run = in_process_run(tmp_path, tiny, "--adv-estimator", "reinforce_pp", "--reward-kl-coef", "0.5",
+                         "--gamma", str(gamma))
     torch.manual_seed(0)
     with torch.no_grad():  # a reference away from the policy, so the KL is not 0
         for weight in run.reference.parameters():
@@ -830,7 +833,7 @@ def test_reinforce_pp_advantages_hold_the_kl_to_the_reference(tiny, tmp_path):
         return predicted.gather(-1, torch.tensor(batch.tokens[i])[:, None])[:, 0].double()
 
     returns = [dapo.kl_penalised_returns(batch.rewards[i], logprobs(run.policy, i)
-                                        - logprobs(run.reference, i), 0.5) for i in range(4)]
+                                        - logprobs(run.reference, i), 0.5, gamma) for i in range(4)]
     expected = dapo.whiten(torch.cat(returns), center=True)
     got = torch.tensor([a for row in batch.advantages for a in row], dtype=torch.float64)
     assert [len(row) for row in batch.advantages] == [2, 1, 3, 1]
