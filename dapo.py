@@ -185,6 +185,21 @@ def reinforce_baseline_advantages(rewards, group_size, lengths, reduce=None,
     return whiten(centred, reduce(token_moments) if reduce else token_moments, eps, center=True)
 
 
+def sequence_advantages(kind: str, rewards, group_size, lengths, reduce=None) -> torch.Tensor:
+    """--adv-estimator `kind`'s advantage for each reply (all but reinforce_pp, one per token):
+    rewards (N,), groups, lengths (N,) each reply's loss tokens; `reduce` adds a sum over ranks
+    where the estimator reads the whole batch. -> (N,)"""
+    if kind == "reinforce_baseline":
+        return reinforce_baseline_advantages(rewards, group_size, lengths, reduce)
+    if kind == "opo":
+        return opo_advantages(rewards, group_size, lengths)
+    if kind == "gpg":
+        return gpg_advantages(rewards, group_size, reduce)
+    if kind == "grpo_passk":
+        return passk_advantages(rewards, group_size)
+    return group_advantages(rewards, group_size, kind)
+
+
 def moments(values) -> torch.Tensor:
     """(3,) fp64: count, sum and sum of squares of `values`; add these over ranks for `whiten`."""
     values = torch.as_tensor(values, dtype=torch.float64)

@@ -310,17 +310,8 @@ def with_advantages(run, batch):
     tokens = torch.zeros(len(rewards_), dtype=torch.float64).index_add_(
         0, torch.tensor(batch.episode_index(), dtype=torch.long),
         torch.tensor(counted, dtype=torch.float64))  # (E,) an episode's, over its turns
-    kind = run.args.adv_estimator
-    if kind == "reinforce_baseline":  # whitened over all ranks' loss tokens
-        advantages = dapo.reinforce_baseline_advantages(rewards_, sizes, tokens, all_reduce)
-    elif kind == "opo":
-        advantages = dapo.opo_advantages(rewards_, sizes, tokens)
-    elif kind == "gpg":  # alpha over all ranks' rewards
-        advantages = dapo.gpg_advantages(rewards_, sizes, all_reduce)
-    elif kind == "grpo_passk":
-        advantages = dapo.passk_advantages(rewards_, sizes)
-    else:
-        advantages = dapo.group_advantages(rewards_, sizes, kind)
+    # (reinforce_baseline and gpg read the whole batch: their sums are reduced over ranks)
+    advantages = dapo.sequence_advantages(run.args.adv_estimator, rewards_, sizes, tokens, all_reduce)
     return replace(batch, advantages=advantages[batch.episode_index()].tolist())  # (N,)
 
 

@@ -4,9 +4,7 @@ activation checkpointing; parameters; AdamW's state; the KV cache's blocks), the
 for Qwen2.5-0.5B/1.5B/7B, the refusal, and the README's GPU commands planned on paper."""
 
 import json
-import os
 import shlex
-import sys
 
 import pytest
 import torch
