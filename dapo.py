@@ -40,6 +40,7 @@ import torch
 ADVANTAGE_KINDS = ("grpo", "dr_grpo", "rloo")  # one per sequence, by group alone
 ADVANTAGE_ESTIMATORS = ADVANTAGE_KINDS + ("grpo_passk", "opo", "gpg", "reinforce_baseline",
                                          "reinforce_pp")  # --adv-estimator
+READ_LENGTHS = ("reinforce_baseline", "opo")  # the estimators that weigh replies by their tokens
 
 
 def _group_sizes(num_items: int, group_size) -> list[int]:

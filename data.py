@@ -740,8 +740,9 @@ def format_prompt(record, tokenizer, template="dapo"):
         text = f"Question: {question}\nAnswer:"
         if record.get("reply_prefix"):  # the reply is written after it
             text = f"Question: {question}\n{record['reply_prefix']}"
-        # (no marker of its own: any in the text is the user's, spelled out; BOS added)
-        return list(tokenizer(text, split_special_tokens=True)["input_ids"])
+        if any(marker in text for marker in control_markers(tokenizer)):  # the user's: spelled out
+            return list(tokenizer(text, split_special_tokens=True)["input_ids"])
+        return list(tokenizer(text)["input_ids"])
     # A reply prefix (episodes.py: "Memory:") opens the assistant's turn; the model goes on from it.
     suffix = record.get("reply_prefix", "")
     if any(marker in m["content"] for m in messages for marker in control_markers(tokenizer)):
@@ -755,7 +756,8 @@ def format_prompt(record, tokenizer, template="dapo"):
 def control_markers(tokenizer) -> list[str]:
     """The strings this tokenizer reads as control tokens (BOS, EOS, a chat template's turn
     markers such as `<|im_start|>`)."""
-    return [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
+    added = getattr(tokenizer, "added_tokens_decoder", {})  # (a stand-in tokenizer may have none)
+    return [token.content for token in added.values() if token.special]
 
 
 def chat_ids_with_text_content(tokenizer, messages, suffix=""):

@@ -305,11 +305,13 @@ def with_advantages(run, batch):
     rewards_ = torch.tensor([batch.rewards[i] for i in batch.episode_starts()],
                             dtype=torch.float64)  # (E,)
     sizes = batch.episodes_per_group()
-    counted = [len(t) * (not (run.args.overlong_filter and cut))
-               for t, cut in zip(batch.tokens, batch.truncated)]  # (N,) each row's loss tokens
-    tokens = torch.zeros(len(rewards_), dtype=torch.float64).index_add_(
-        0, torch.tensor(batch.episode_index(), dtype=torch.long),
-        torch.tensor(counted, dtype=torch.float64))  # (E,) an episode's, over its turns
+    tokens = None
+    if run.args.adv_estimator in dapo.READ_LENGTHS:  # each episode's loss tokens, over its turns
+        counted = [len(t) * (not (run.args.overlong_filter and cut))
+                   for t, cut in zip(batch.tokens, batch.truncated)]  # (N,) each row's
+        tokens = torch.zeros(len(rewards_), dtype=torch.float64).index_add_(
+            0, torch.tensor(batch.episode_index(), dtype=torch.long),
+            torch.tensor(counted, dtype=torch.float64))  # (E,)
     # (reinforce_baseline and gpg read the whole batch: their sums are reduced over ranks)
     advantages = dapo.sequence_advantages(run.args.adv_estimator, rewards_, sizes, tokens, all_reduce)
     return replace(batch, advantages=advantages[batch.episode_index()].tolist())  # (N,)
