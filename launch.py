@@ -346,12 +346,11 @@ def open_tracking(run, progress):
                                 {k: v for k, v in vars(args).items() if k not in ("device", "bench")},
                                 rerun_from=(progress.step + 1 if progress.step else 0) if args.resume else None)
     except Exception as error:  # (wandb's errors are its own classes)
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         if not args.resume:
             shutil.rmtree(args.out, ignore_errors=True)
         after = f"python train.py --resume {args.out} goes on" if args.resume else \
             f"{args.out} was removed (nothing was trained): the same command starts afresh"
-        sys.exit(f"train.py: --report-to {args.report_to} could not start ({first}); {after}; "
+        sys.exit(f"train.py: --report-to {args.report_to} could not start ({runs.first_line(error)}); {after}; "
                  "WANDB_MODE=offline logs without a network")
 
 

@@ -248,8 +248,7 @@ def check_before_loading(args, cfg: ModelConfig, longest_prompt: int | None, wor
     terms, longest_row, bf16 = for_run(args, cfg, world=world, distributed=torch.distributed.is_initialized(),
                                        cuda=True, longest_prompt=longest_prompt, capacity=capacity)
     if rank == 0:
-        print(f"memory plan a rank ({world} rank(s), a GPU of {size(capacity)}; rows up to "
-              f"{longest_row:,} positions):\n{describe(terms)}", flush=True)
+        print(heading(world, capacity, longest_row) + "\n" + describe(terms), flush=True)
     why = refusal(terms, longest_row, cfg, bf16, capacity)
     if why and not args.no_memory_check:
         raise SystemExit(f"train.py: {why}")
@@ -262,7 +261,11 @@ def plan_only(args) -> int:
     import checkpoints
     import data
     from launch import load_data
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    world, rank = os.environ.get("WORLD_SIZE", "1"), int(os.environ.get("RANK", "0"))
+    if not world.isdigit() or int(world) < 1:
+        raise SystemExit(f"train.py: --plan-only plans for WORLD_SIZE ranks: a whole number >= 1, "
+                         f"got {world!r}")
+    world = int(world)
     try:
         cfg = checkpoints.load_config(args.model)
     except (OSError, ValueError) as e:
@@ -285,7 +288,12 @@ def plan_only(args) -> int:
                                        cuda=cuda, longest_prompt=longest, capacity=capacity)
     why = refusal(terms, longest_row, cfg, bf16, capacity) if capacity else None
     if rank == 0:
-        gpus = f", GPUs of {size(capacity)}" if capacity else ""
-        print(f"memory plan a rank ({world} rank(s){gpus}; rows up to {longest_row:,} positions{note}):\n"
-              f"{describe(terms)}\n" + (why or ("fits" if capacity else "")), flush=True)
+        print(heading(world, capacity, longest_row, note) + "\n" + describe(terms) + "\n"
+              + (why or ("fits" if capacity else "")), flush=True)
     return 1 if why else 0
+
+
+def heading(world, capacity, longest_row, note="") -> str:
+    """The plan's first line: for how many ranks, what GPU, how long a row."""
+    gpus = f", GPUs of {size(capacity)}" if capacity else ""
+    return f"memory plan a rank ({world} rank(s){gpus}; rows up to {longest_row:,} positions{note}):"

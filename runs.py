@@ -176,7 +176,8 @@ def save_checkpoint(run_dir, state):
     os.replace(path + ".tmp", path)
 
 
-def _first_line(error):
+def first_line(error):
+    """An error's first line, for a one-line message (its class name when it says nothing)."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
@@ -189,7 +190,7 @@ def _write_failure(error, directory):
     free = shutil.disk_usage(directory).free
     if getattr(error, "errno", None) == errno.ENOSPC or free < FULL_BELOW:
         return f"the disk is full: {free / 2 ** 20:.0f} MiB free where {directory} is"
-    return _first_line(error)
+    return first_line(error)
 
 
 def load_checkpoint(run_dir):

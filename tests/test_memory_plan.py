@@ -197,7 +197,16 @@ def test_setup_refuses_a_run_its_gpu_cannot_hold_before_any_weight_loads(tmp_pat
     with pytest.raises(SystemExit) as refused:
         launch.setup(config.parse_config(argv)[0])
     printed = capsys.readouterr().out
-    assert "memory plan a rank (1 rank(s), a GPU of 1.0 KiB" in printed and "AdamW moments" in printed
+    assert "memory plan a rank (1 rank(s), GPUs of 1.0 KiB" in printed and "AdamW moments" in printed
     assert "does not fit 1.0 KiB a rank: the rollout needs" in str(refused.value) and not loads
     run = launch.setup(config.parse_config(argv + ["--no-memory-check", "--out", str(tmp_path / "run2")])[0])
     assert loads and run.policy is not None
+
+
+def test_plan_only_names_a_bad_world_size(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps(qwen25_config("0.5B")))
+    args, _ = config.parse_config(["--model", str(tmp_path), "--plan-only", "80"])
+    for bad in ("0", "eight", "-2"):
+        monkeypatch.setenv("WORLD_SIZE", bad)
+        with pytest.raises(SystemExit, match=f"WORLD_SIZE ranks: a whole number >= 1, got '{bad}'"):
+            mp.plan_only(args)
