@@ -1242,6 +1242,7 @@ def test_a_run_on_a_read_only_file_system_is_named_not_a_traceback(tmp_path, mon
     import errno
     import builtins
     matplotlib = pytest.importorskip("matplotlib")
+    import matplotlib.figure  # (an attribute of matplotlib only once imported)
     import runs
     run_dir = tmp_path / "run"
     run_dir.mkdir()
