@@ -128,15 +128,7 @@ def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_
     a problem's samples do not depend on the others beside it, so a rank's share of the records
     gives the rows one process would (train.py evaluates that way, launch.evaluate_and_log).
     """
-    if not records:
-        raise ValueError("evaluate: no records")
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"evaluate: k must be an integer >= 1, got {k!r}")
-    if temperature < 0:
-        raise ValueError(f"evaluate: temperature must be >= 0, got {temperature}")
-    if temperature == 0 and k > 1:
-        raise ValueError(f"evaluate: k={k} greedy samples would all be the same; use a "
-                         "temperature > 0 with k > 1")
+    _check_settings(records, k, temperature)
     model = getattr(model, "module", model)
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                     stop_token_ids=rollout.stop_token_ids(tokenizer) if stop_ids is None else list(stop_ids),
@@ -175,6 +167,19 @@ def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_
                    template=template, seed=seed, seconds=seconds,
                    tokens_per_s=generated / seconds if seconds > 0 else None)
     return summary, results
+
+
+def _check_settings(records, k, temperature):
+    """evaluate's arguments, a ValueError naming the bad one."""
+    if not records:
+        raise ValueError("evaluate: no records")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"evaluate: k must be an integer >= 1, got {k!r}")
+    if temperature < 0:
+        raise ValueError(f"evaluate: temperature must be >= 0, got {temperature}")
+    if temperature == 0 and k > 1:
+        raise ValueError(f"evaluate: k={k} greedy samples would all be the same; use a "
+                         "temperature > 0 with k > 1")
 
 
 def _score(record, played, tokenizer, plain):
