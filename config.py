@@ -222,6 +222,17 @@ def algorithm_flags(g):
                         "is outside [--tis-floor, C] (MIS, IcePop)")
     g.add_argument("--tis-floor", type=float, default=0.0,
                    help="rollout correction, --tis-mode mask: the lower bound of the kept ratios")
+    g.add_argument("--tis-normalize", action="store_true",
+                   help="rollout correction: divide the weights by their mean over the step's "
+                        "loss tokens (replies, at --tis-level sequence) on all ranks, so that "
+                        "they average 1 (verl's rollout_is_batch_normalize)")
+    g.add_argument("--tis-reject", default="", metavar="RULE",
+                   help="rollout correction by rejection (verl's rollout_rs): take out of the loss "
+                        "the tokens (token_kN) or replies (seq_sum_kN, seq_mean_kN, seq_max_kN) "
+                        "whose divergence k1, k2 or k3 between pi_old and the sampler passes "
+                        "--tis-reject-bound ('' = off)")
+    g.add_argument("--tis-reject-bound", type=float, default=0.0,
+                   help="--tis-reject's bound U: k2, k3 kept while <= U; k1: ratios in [1/U, U]")
     g.add_argument("--high-entropy-fraction", type=float, default=1.0,
                    help="the 80/20 rule: the policy gradient only on this top fraction of the "
                         "mini-batch's tokens by entropy (1 = every token; the paper: 0.2)")
@@ -349,8 +360,8 @@ POSITIVE_FLOATS = ["lora_alpha", "temperature", "overlong_cache", "eval_temperat
                    "dpo_beta", "lr", "grad_clip", "sapo_tau_pos", "sapo_tau_neg", "cov_fraction"]
 NONNEGATIVE_FLOATS = ["time_limit", "checkpoint_minutes", "format_weight", "ppl_threshold", "efficiency_weight",
                       "eps_high", "entropy_coef", "kl_coef", "gkl_alpha", "gkl_beta",
-                      "weight_decay", "tis_cap", "tis_floor", "router_aux_coef", "kl_cov_coef",
-                      "reward_kl_coef", "kv_budget", "plan_only"]
+                      "weight_decay", "tis_cap", "tis_floor", "tis_reject_bound", "router_aux_coef",
+                      "kl_cov_coef", "reward_kl_coef", "kv_budget", "plan_only"]
 OTHER_FLOATS = ["gamma", "correct_reward", "wrong_reward", "eps_low", "clip_c", "top_p", "eval_top_p",
                 "curriculum", "high_entropy_fraction", "clip_cov_low", "clip_cov_high"]
 
@@ -403,19 +414,23 @@ def refuse_combinations(args, parser):
         if getattr(args, key) and not refills:
             parser.error(f"--{key.replace('_', '-')} acts in refill rounds: it needs "
                          f"--dynamic-sampling and --max-refills >= 1 (got {args.max_refills})")
-    if args.top_p < 1 and (args.tis_cap or args.keep_surplus):
+    if args.top_p < 1 and (args.tis_cap or args.tis_reject or args.keep_surplus):
         parser.error(f"--top-p {args.top_p:g} samples from a truncated distribution, while the "
-                     "sampler's log-probs, which --tis-cap and --keep-surplus read as the behaviour "
-                     "policy's, are of the whole one: use --top-p 1 with them")
-    if args.algo == "dpo" and (args.tis_cap or args.high_entropy_fraction < 1):
-        parser.error("--tis-cap and --high-entropy-fraction weight policy-gradient tokens; "
-                     "--algo dpo has none")
+                     "sampler's log-probs, which --tis-cap, --tis-reject and --keep-surplus read as "
+                     "the behaviour policy's, are of the whole one: use --top-p 1 with them")
+    if args.algo == "dpo" and (args.tis_cap or args.tis_reject or args.high_entropy_fraction < 1):
+        parser.error("--tis-cap, --tis-reject and --high-entropy-fraction weight policy-gradient "
+                     "tokens; --algo dpo has none")
     if args.high_entropy_fraction < 1 and args.objective in objectives.SEQUENCE_LEVEL:
         parser.error(f"--high-entropy-fraction chooses tokens; --objective {args.objective} gives "
                      "each token of a sequence the gradient of the whole sequence's ratio")
     if not args.tis_cap and (args.tis_level, args.tis_mode, args.tis_floor) != ("token", "truncate", 0):
         parser.error("--tis-level, --tis-mode and --tis-floor shape the rollout correction: they "
                      "need --tis-cap C > 0")
+    if args.tis_normalize and not args.tis_cap:
+        parser.error("--tis-normalize divides the rollout correction's weights by their mean: it "
+                     "needs --tis-cap C > 0")
+    check_rejection(args, parser)
     if args.tis_floor and args.tis_mode != "mask":
         parser.error(f"--tis-floor {args.tis_floor:g} bounds the kept ratios of --tis-mode mask; "
                      "--tis-mode truncate has no floor")
@@ -531,10 +546,30 @@ def cpp_compiler_found() -> bool:
     return shutil.which(cpp_compiler()) is not None
 
 
+def check_rejection(args, parser):
+    """--tis-reject RULE and its bound: a rule losses.rollout_rejection knows, and a bound it can
+    keep anything under."""
+    rule, bound = args.tis_reject, args.tis_reject_bound
+    if not rule:
+        if bound:
+            parser.error(f"--tis-reject-bound {bound:g} bounds --tis-reject RULE, which is off")
+        return
+    if rule == "seq_max_k1":
+        parser.error("--tis-reject seq_max_k1: k1 = -log rho is signed, so its maximum over a "
+                     "reply bounds one side only; use seq_mean_k1, seq_sum_k1 or token_k1")
+    if rule not in losses.REJECTION_RULES:
+        parser.error(f"--tis-reject {rule!r}: expected one of {', '.join(losses.REJECTION_RULES)}")
+    lowest = 1 if rule.endswith("k1") else 0
+    if not bound > lowest:
+        parser.error(f"--tis-reject {rule} needs --tis-reject-bound > {lowest}"
+                     + (" (k1 keeps ratios in [1/U, U])" if lowest else "") + f", got {bound:g}")
+
+
 def reads_old_logprobs(args):
-    """Whether step 4 reads pi_old (REINFORCE++'s KL in the reward): then step 3 scores it even
-    at one update a step."""
-    return args.adv_estimator == "reinforce_pp" and args.reward_kl_coef > 0
+    """Whether pi_old is read before the update (REINFORCE++'s KL in the reward, the rollout
+    correction's batch mean and rejection): then step 3 scores it even at one update a step."""
+    return (args.adv_estimator == "reinforce_pp" and args.reward_kl_coef > 0) \
+        or args.tis_normalize or bool(args.tis_reject)
 
 
 def objective_settings(args):

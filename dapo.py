@@ -465,7 +465,8 @@ PRESET_KEYS = {
     # optimisation
     "lr", "warmup_steps", "weight_decay", "grad_clip", "mini_batches",
     # the objectives since DAPO and the rollout correction
-    "reward_kl_coef", "tis_cap", "tis_level", "tis_mode", "tis_floor", "high_entropy_fraction", "cov_fraction",
+    "reward_kl_coef", "tis_cap", "tis_level", "tis_mode", "tis_floor", "tis_normalize", "tis_reject",
+    "tis_reject_bound", "high_entropy_fraction", "cov_fraction",
     "clip_cov_low", "clip_cov_high", "kl_cov_coef",
     # the task (a preset made for one, as dapo-memory)
     "data", "max_new_tokens", "eval_limit",

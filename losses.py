@@ -8,6 +8,9 @@ Imports only torch and the standard library, so any function here can be copied 
     ratio_stats(ratio, advantages, active, ...)        its stats: clip fractions, approx KL, ratios
     rollout_weights(old_logp, sampler_logp, mask, ...) rollout correction: TIS / MIS at the token or
                                                        the sequence level
+    rollout_weight_sums(weights, mask, level)          their sums, for the batch normalisation
+    rollout_rejection(old_logp, sampler_logp, mask, ...) rollout correction: rejection by k1/k2/k3
+                                                       per token or per reply (sum, mean, max)
     aggregate(per_token, mask, agg, ...)               the four aggregation modes, with global divisors
     micro_batch_divisors(masks, group_ids, ...)        the global divisors of a mini-batch, computed
                                                        once before its micro-batches (all-reduced)
@@ -26,6 +29,8 @@ non-finite value at a counted position gives a non-finite loss, for the trainer 
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -223,6 +228,58 @@ def rollout_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: to
         inside = (ratio >= floor) & (ratio <= cap)
         return torch.where(inside, ratio, torch.zeros_like(ratio)), active & ~inside
     raise ValueError(f"unknown rollout-correction mode {mode!r}; expected truncate or mask")
+
+
+def rollout_weight_sums(weights: torch.Tensor, mask: torch.Tensor, level: str = "token") -> torch.Tensor:
+    """The sums behind the rollout correction's batch normalisation (verl's
+    rollout_is_batch_normalize): level "token", the weights of every loss token and their count;
+    level "sequence", each reply's one weight and the replies with a loss token. Summed over a
+    step's rows on every rank, w / (sum / count) has mean 1 there.
+    (B, T) weights and mask in -> (2,) float64: (sum, count)"""
+    active = mask != 0
+    if level == "token":
+        return torch.stack([(weights.double() * active).sum(), active.sum().double()])
+    replied = active.any(-1)                                                     # (B,)
+    return torch.stack([weights[:, 0].double()[replied].sum(), replied.sum().double()])
+
+
+REJECTION_RULES = tuple(f"{where}_k{n}" for where in ("token", "seq_sum", "seq_mean", "seq_max")
+                        for n in (1, 2, 3) if (where, n) != ("seq_max", 1))
+
+
+def rollout_rejection(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, *,
+                      rule: str, bound: float) -> torch.Tensor:
+    """Rollout correction by rejection (verl's rollout_rs): a token, or every token of a reply,
+    whose divergence between pi_old and pi_sampler passes the bound U leaves the loss mask, and so
+    the divisors (--tis-mode mask keeps a masked token's place instead). No gradient.
+
+        per token, log rho_t = log pi_old(o_t) - log pi_sampler(o_t), Schulman's estimators:
+        k1 = -log rho_t               kept while |k1| <= log U   (rho in [1/U, U])
+        k2 = (log rho_t)^2 / 2        kept while k2 <= U
+        k3 = rho_t - 1 - log rho_t    kept while k3 <= U
+        rule token_kN: each token alone; seq_sum_kN, seq_mean_kN, seq_max_kN: the reply's sum,
+        mean or max over its loss tokens, for every token of it (a max of k1 would bound one
+        side only: there is no seq_max_k1)
+
+    (B, T) log-probs and mask in -> (B, T) bool: the loss tokens kept
+    """
+    if rule not in REJECTION_RULES:
+        raise ValueError(f"unknown rejection rule {rule!r}; expected one of {', '.join(REJECTION_RULES)}")
+    if not bound > (1 if rule.endswith("k1") else 0):
+        raise ValueError(f"rejection rule {rule} needs a bound > {1 if rule.endswith('k1') else 0}, got {bound}")
+    where, kind = rule.rsplit("_", 1)
+    active = mask != 0
+    stat = torch.where(active, kl_estimate(sampler_logp.detach(), old_logp.detach(), kind),
+                       torch.zeros_like(old_logp))                               # (B, T)
+    if where == "seq_sum":
+        stat = stat.sum(-1, keepdim=True)                                        # (B, 1)
+    elif where == "seq_mean":
+        stat = stat.sum(-1, keepdim=True) / active.sum(-1, keepdim=True).clamp(min=1)
+    elif where == "seq_max":
+        stat = torch.where(active, stat, torch.full_like(stat, -torch.inf)).amax(-1, keepdim=True)
+    stat = stat.expand_as(old_logp)                                              # (B, T)
+    within = stat.abs() <= math.log(bound) if kind == "k1" else stat <= bound
+    return active & within
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

@@ -66,6 +66,9 @@ def step_metrics(run, progress, collected, done, update_sums, update_maxima, sec
            "grad_norm": total.get("grad_norm", 0.0) / max(1.0, applied * ranks),
            "skipped_updates": int(updates - applied), "empty_updates": int(total.get("empty_updates", 0) / ranks),
            "skipped_updates_total": progress.skipped_updates + int(updates - applied)}
+    if args.tis_reject:  # the share of would-be loss tokens the rejection rule took out
+        rejected = total.get("tis_rejected", 0.0)
+        row["tis_rejected_frac"] = rejected / max(1.0, tokens + rejected)
     if "router_aux_batches" in total:  # an MoE policy
         row["router_aux_loss"] = total["router_aux_loss"] / max(1.0, total["router_aux_batches"])
     if args.algo == "dpo":

@@ -15,10 +15,11 @@ import random
 
 import torch
 
+import data
 import launch
 import losses
 import objectives
-from distributed import gather
+from distributed import all_reduce, gather
 from model import completion_logprobs
 
 # The log's name of each choice's share of loss tokens.
@@ -85,15 +86,37 @@ def token_figures(args, mb, logp, entropy):
             "clipped": clipped[active]}
 
 
+def rollout_weight_scale(run, batch):
+    """--tis-normalize: 1 / the mean rollout-correction weight over the step's loss tokens
+    (replies, at --tis-level sequence) on every rank, before --tis-reject, as verl normalises over
+    its training batch; 1 when off. Every row's pi_old was scored in step 3. -> float"""
+    args = run.args
+    if not args.tis_normalize:
+        return 1.0
+    width = max([len(t) for t in batch.tokens] + [1])
+    kept = [not (args.overlong_filter and truncated) for truncated in batch.truncated]
+    mask = data.pad_rows([[float(k)] * len(t) for t, k in zip(batch.tokens, kept)], width, "cpu")
+    old = data.pad_rows(batch.old_logprobs, width, "cpu").double()            # (N, C)
+    sampler = data.pad_rows(batch.sampler_logprobs, width, "cpu").double()    # (N, C)
+    weights, _ = losses.rollout_weights(old, sampler, mask, cap=args.tis_cap, floor=args.tis_floor,
+                                        level=args.tis_level, mode=args.tis_mode)
+    total, count = all_reduce(losses.rollout_weight_sums(weights, mask, args.tis_level)).tolist()
+    return count / total if total > 1e-8 * count else 1.0  # verl: left alone at a mean <= 1e-8
+
+
 def token_weights(args, mb, old, chosen):
     """Each loss token's weight (no gradient), or None for all ones: the rollout correction
-    (--tis-cap) times the 80/20 rule's choice. -> (weights (b, C) or None, named sums)"""
+    (--tis-cap, over its step mean with --tis-normalize) times the 80/20 rule's choice.
+    -> (weights (b, C) or None, named sums)"""
     active, weights, sums = mb.mask != 0, None, {}
     if args.tis_cap:
         weights, cut = losses.rollout_weights(old, mb.sampler, mb.mask, cap=args.tis_cap,
                                               floor=args.tis_floor, level=args.tis_level,
                                               mode=args.tis_mode)                # (b, C)
+        weights = weights * mb.weight_scale
         sums.update(tis_weight=float((weights * active).sum()), tis_cut_frac=float(cut.sum()))
+    if args.tis_reject:
+        sums["tis_rejected"] = mb.rejected
     if "high_entropy" in chosen:
         kept = chosen["high_entropy"].to(old.dtype)
         weights = kept if weights is None else weights * kept

@@ -384,6 +384,8 @@ class MicroBatch:
     group_ids: torch.Tensor   # (b,) prompt ids over all ranks (the per-prompt aggregation)
     replay: torch.Tensor      # (b, P+C, L, k) the sampler's experts (--routing-replay), or None
     aux_weight: float         # this micro-batch's share of the router loss (stand-ins: 0)
+    weight_scale: float       # 1 / the step's mean rollout weight (--tis-normalize), else 1
+    rejected: float           # the loss tokens --tis-reject took out of `mask`
 
 
 def update(run, batch, step=0):
@@ -401,8 +403,9 @@ def update(run, batch, step=0):
     first_group = sum(gather(batch.num_groups, run.world)[:run.rank]) \
         if args.loss_agg == "group-token-mean" else None
     sums, maxima = {}, {}
+    scale = token_choice.rollout_weight_scale(run, batch)  # --tis-normalize, over the whole step
     for index, rows in enumerate(distributed.mini_batches(list(range(len(batch.tokens))), count)):
-        micro = policy_micro_batches(run, batch, rows, first_group or 0)
+        micro = policy_micro_batches(run, batch, rows, first_group or 0, scale)
         divisors = losses.micro_batch_divisors(
             [mb.mask for mb in micro], [mb.group_ids for mb in micro] if first_group is not None
             else None, max_tokens=args.max_new_tokens, distributed=run.world > 1)
@@ -444,9 +447,9 @@ def micro_batch_rows(run, batch, rows):
     return parts + [[]] * (distributed.micro_batch_count(len(parts)) - len(parts))
 
 
-def policy_micro_batches(run, batch, rows, first_group):
+def policy_micro_batches(run, batch, rows, first_group, weight_scale=1.0):
     """The mini-batch `rows` of `batch` as MicroBatches."""
-    device = run.args.device
+    device, args = run.args.device, run.args
     group = [first_group + g for g in batch.group_index()]  # prompt ids over all ranks
     parts = micro_batch_rows(run, batch, rows)
     out, count = [], len(parts)
@@ -457,22 +460,26 @@ def policy_micro_batches(run, batch, rows, first_group):
                            device)
         width = packed.mask.shape[1]
         # change 4, overlong filtering: truncated completions carry no loss
-        keep = [rollouts is not STAND_IN and not (run.args.overlong_filter and rollouts.truncated[i])
+        keep = [rollouts is not STAND_IN and not (args.overlong_filter and rollouts.truncated[i])
                 for i in part]
         old = [rollouts.old_logprobs[i] for i in part]
+        old_logp = data.pad_rows([o or [] for o in old], width, device)
+        sampler = data.pad_rows([rollouts.sampler_logprobs[i] for i in part], width, device)
+        mask = unrejected = packed.mask * torch.tensor(keep, device=device)[:, None]
+        if args.tis_reject:  # rejected tokens leave the mask, and so the divisors
+            mask = mask * losses.rollout_rejection(old_logp, sampler, mask, rule=args.tis_reject,
+                                                   bound=args.tis_reject_bound)
         out.append(MicroBatch(
-            ids=packed.ids, attn=packed.attn, start=packed.start,
-            mask=packed.mask * torch.tensor(keep, device=device)[:, None],
-            advantages=advantages_of(rollouts, part, width, device),
-            old=data.pad_rows([o or [] for o in old], width, device),
-            has_old=torch.tensor([o is not None for o in old], device=device),
-            sampler=data.pad_rows([rollouts.sampler_logprobs[i] for i in part], width, device),
+            ids=packed.ids, attn=packed.attn, start=packed.start, mask=mask,
+            advantages=advantages_of(rollouts, part, width, device), old=old_logp,
+            has_old=torch.tensor([o is not None for o in old], device=device), sampler=sampler,
             fresh=torch.tensor([not rollouts.stale[i] for i in part], device=device),
             group_ids=torch.tensor([group[i] if rollouts is batch else 0 for i in part], device=device),
             replay=moe.replay_rows(rollouts.routing, rollouts.prompts, rollouts.tokens, part, width,
                                    run.policy.config, device) if run.args.routing_replay else None,
             # the router loss: a mean over the micro-batches of every rank (stand-ins: none)
-            aux_weight=0.0 if rollouts is STAND_IN else 1.0 / (count * run.world)))
+            aux_weight=0.0 if rollouts is STAND_IN else 1.0 / (count * run.world),
+            weight_scale=weight_scale, rejected=float(unrejected.sum() - mask.sum())))
     return out
 
 
@@ -496,7 +503,7 @@ def policy_gradient_loss(run, mb, divisors, chosen=None):
                                    entropy_grad=args.entropy_coef > 0, hidden=hidden)  # (b, C)
     old = torch.where(mb.has_old[:, None], mb.old, logp.detach())  # (b, C) pi_old
     weights, sums = token_choice.token_weights(args, mb, old, chosen) \
-        if args.tis_cap or chosen else (None, {})  # rollout correction, the 80/20 rule
+        if args.tis_cap or args.tis_reject or chosen else (None, {})  # rollout correction, 80/20
     settings = config.objective_settings(args)
     if args.objective in objectives.CHOOSING:
         settings["chosen"] = chosen.get("covariance")

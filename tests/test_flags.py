@@ -36,6 +36,7 @@ TRAIN_MEANINGFUL = {
     ("--eps-high", "0"): "no room above ratio 1",
     ("--tis-cap", "0"): "no truncated importance sampling",
     ("--tis-floor", "0"): "no lower bound on the kept ratios",
+    ("--tis-reject-bound", "0"): "no bound: --tis-reject is off",
     ("--clip-cov-low", "0"): "Clip-Cov draws among covariances above 0",
     ("--clip-cov-low", "-1"): "Clip-Cov draws among covariances above -1",
     ("--kl-cov-coef", "0"): "KL-Cov without its penalty (the unclipped ratio)",

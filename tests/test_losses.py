@@ -381,6 +381,61 @@ def test_rollout_weights_vectors(settings, weights, cut):
         losses.rollout_weights(ROLLOUT_OLD, ROLLOUT_SAMPLER, ROLLOUT_MASK, cap=1.0, floor=2.0, mode="mask")
 
 
+# log rho per token, row 0: 0.5, -1.0, 0.0; row 1: -0.8, 0.9. Schulman's estimates of it:
+#   k1 = -log rho:            -0.5, 1.0, 0.0      |  0.8, -0.9        sums 0.5 | -0.1
+#   k2 = (log rho)^2 / 2:      0.125, 0.5, 0.0    |  0.32, 0.405      sums 0.625 | 0.725, max 0.5 | 0.405
+#   k3 = rho - 1 - log rho:    0.148721, 0.367879, 0.0 | 0.249329, 0.559603
+#                              (sum 0.516600, mean 0.172200 | sum 0.808932, max 0.559603)
+@pytest.mark.parametrize("rule,bound,kept", [
+    ("token_k1", 2.0, [[1, 0, 1], [0, 0]]),        # |k1| <= log 2 = 0.693
+    ("token_k2", 0.4, [[1, 0, 1], [1, 0]]),
+    ("token_k3", 0.3, [[1, 0, 1], [1, 0]]),
+    ("seq_sum_k1", 1.5, [[0, 0, 0], [1, 1]]),      # |0.5| > log 1.5 = 0.405 >= |-0.1|
+    ("seq_mean_k1", 1.15, [[0, 0, 0], [1, 1]]),    # |0.1667| > log 1.15 = 0.1398 >= |-0.05|
+    ("seq_sum_k2", 0.7, [[1, 1, 1], [0, 0]]),
+    ("seq_mean_k2", 0.3, [[1, 1, 1], [0, 0]]),     # 0.2083 | 0.3625
+    ("seq_max_k2", 0.45, [[0, 0, 0], [1, 1]]),
+    ("seq_sum_k3", 0.6, [[1, 1, 1], [0, 0]]),
+    ("seq_mean_k3", 0.173, [[1, 1, 1], [0, 0]]),
+    ("seq_max_k3", 0.5, [[1, 1, 1], [0, 0]]),
+])
+def test_rollout_rejection_vectors(rule, bound, kept):
+    got = losses.rollout_rejection(ROLLOUT_OLD, ROLLOUT_SAMPLER, ROLLOUT_MASK, rule=rule, bound=bound)
+    assert got.tolist() == [[bool(k) for k in kept[0]], [bool(k) for k in kept[1]] + [False]]
+
+
+def test_rollout_rejection_refuses_what_it_cannot_mean():
+    for rule, bound in [("seq_max_k1", 2.0), ("token_k4", 1.0), ("token_k1", 1.0), ("seq_sum_k3", 0.0)]:
+        with pytest.raises(ValueError, match=rule):
+            losses.rollout_rejection(ROLLOUT_OLD, ROLLOUT_SAMPLER, ROLLOUT_MASK, rule=rule, bound=bound)
+
+
+def test_rejected_tokens_leave_the_divisor():
+    """verl's rejection takes a token out of the loss mask: unlike IcePop's mask, the divisor
+    shrinks with it, and the kept tokens' gradients grow to match."""
+    logp = ROLLOUT_OLD.clone().requires_grad_()
+    kept = losses.rollout_rejection(ROLLOUT_OLD, ROLLOUT_SAMPLER, ROLLOUT_MASK, rule="token_k2", bound=0.4)
+    loss, stats = losses.policy_loss(logp, ROLLOUT_OLD, torch.tensor([1.0, -1.0], dtype=F64),
+                                     ROLLOUT_MASK * kept)
+    loss.backward()
+    # ratio 1: loss_t = -A_t; kept: row 0 tokens 0 and 2 (A = 1), row 1 token 0 (A = -1); 3 tokens.
+    assert stats["tokens"] == 3 and loss.item() == pytest.approx(-(1 + 1 - 1) / 3, abs=1e-12)
+    assert torch.allclose(logp.grad, torch.tensor([[-1 / 3, 0.0, -1 / 3], [1 / 3, 0.0, 0.0]], dtype=F64))
+
+
+@pytest.mark.parametrize("level,cap,sums", [
+    ("token", 1.5, [1.5 + 0.367879 + 1.0 + 0.449329 + 1.5, 5]),  # every loss token's weight
+    ("sequence", 1.05, [0.606531 + 1.05, 2]),                     # each reply's one weight
+])
+def test_rollout_weight_sums_vectors(level, cap, sums):
+    """--tis-normalize divides by sum / count; padding and empty replies count for nothing."""
+    weights, _ = losses.rollout_weights(ROLLOUT_OLD, ROLLOUT_SAMPLER, ROLLOUT_MASK, cap=cap, level=level)
+    assert losses.rollout_weight_sums(weights, ROLLOUT_MASK, level).tolist() == pytest.approx(sums, abs=1e-6)
+    empty = torch.cat([ROLLOUT_MASK, torch.zeros(1, 3, dtype=F64)])       # a reply with no loss token
+    weights = torch.cat([weights, torch.full((1, 3), 1.5, dtype=F64)])
+    assert losses.rollout_weight_sums(weights, empty, level).tolist() == pytest.approx(sums, abs=1e-6)
+
+
 def test_masked_tokens_keep_their_place_in_the_divisor():
     """IcePop's objective: a masked token contributes 0 to a sum still divided by every token."""
     logp = ROLLOUT_OLD.clone().requires_grad_()

@@ -683,6 +683,79 @@ def test_truncated_importance_sampling_reweights_tokens(tiny, tmp_path):
     assert any(not torch.equal(plain_weights[k], tis_weights[k]) for k in plain_weights)
 
 
+def test_rollout_correction_over_the_step_does_not_depend_on_the_micro_batches(tiny, tmp_path):
+    """--tis-normalize divides by the mean weight over the whole step, --tis-reject takes tokens
+    out of the mask before the divisors: micro-batches of 1 row and of 4 give the same update.
+    log rho per token: [-2, 1], [-3.5], [1, -5.9, -1.8], [2]; k2 = (log rho)^2 / 2 <= 0.6 keeps
+    row 0's second token and row 2's first (2 of 7); the weights min(rho, 2) sum to
+    e^-2 + 2 + e^-3.5 + 2 + e^-5.9 + e^-1.8 + 2 over 7 tokens, and the two kept weigh 2 each."""
+    import train
+    batch = rollouts(advantages=[1.0, -1.0, -1.0, 1.0],
+                     old_logprobs=[[-3.0, -1.0], [-4.0], [-0.5, -6.0, -2.0], [-1.0]])
+    results = []
+    for size in ("1", "4"):
+        run = in_process_run(tmp_path / size, tiny, "--micro-batch-size", size, "--tis-cap", "2",
+                             "--tis-normalize", "--tis-reject", "token_k2", "--tis-reject-bound", "0.6")
+        sums, _ = train.update(run, batch)
+        results.append((sums, {k: v.clone() for k, v in run.policy.state_dict().items()}))
+    (one, one_weights), (four, four_weights) = results
+    mean = (math.exp(-2) + 2 + math.exp(-3.5) + 2 + math.exp(-5.9) + math.exp(-1.8) + 2) / 7
+    for sums in (one, four):
+        assert (sums["loss_tokens"], sums["tis_rejected"]) == (2, 5)
+        assert sums["tis_weight"] == pytest.approx(2 * 2 / mean, rel=1e-6)
+    assert one["grad_norm"] == pytest.approx(four["grad_norm"], rel=1e-6)
+    for k in one_weights:
+        assert torch.allclose(one_weights[k], four_weights[k], atol=1e-5, rtol=0), k
+
+
+def test_normalised_rollout_weights_average_one(tiny, tmp_path):
+    """--tis-normalize alone: over the step's loss tokens the weights the loss sees average 1."""
+    import train
+    batch = rollouts(advantages=[1.0, -1.0, -1.0, 1.0],
+                     old_logprobs=[[-3.0, -1.0], [-4.0], [-0.5, -6.0, -2.0], [-1.0]])
+    run = in_process_run(tmp_path, tiny, "--tis-cap", "2", "--tis-normalize", "--micro-batch-size", "2")
+    sums, _ = train.update(run, batch)
+    assert sums["loss_tokens"] == 7 and sums["tis_weight"] == pytest.approx(7, rel=1e-6)
+
+
+def _weight_scale_worker(rank, world_size, init_file, out_file):
+    """Rank r of 2 holds its own rows of the step; the scale is over both."""
+    import torch.distributed as dist
+    import token_choice
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    whole = _scale_batch()
+    mine = whole.select([0] if rank == 0 else [1])
+    scales = [token_choice.rollout_weight_scale(_scale_run(level, world_size), mine)
+              for level in ("token", "sequence")]
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(scales))
+    dist.destroy_process_group()
+
+
+def _scale_batch():
+    return rollouts(old_logprobs=[[-3.0, -1.0], [-4.0], [-0.5, -6.0, -2.0], [-1.0]])
+
+
+def _scale_run(level, world):
+    import types
+    args = types.SimpleNamespace(tis_normalize=True, tis_cap=2.0, tis_floor=0.0, tis_level=level,
+                                 tis_mode="truncate", overlong_filter=True)
+    return types.SimpleNamespace(args=args, world=world)
+
+
+@pytest.mark.slow
+def test_rollout_weight_scale_is_over_every_rank(tmp_path):
+    """Two gloo ranks with a group each (3 and 4 tokens) get the scale one process gets for both."""
+    import torch.multiprocessing as mp
+    import token_choice
+    out = tmp_path / "scales.json"
+    mp.spawn(_weight_scale_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
+    alone = [token_choice.rollout_weight_scale(_scale_run(level, 1), _scale_batch())
+             for level in ("token", "sequence")]
+    assert json.loads(out.read_text()) == pytest.approx(alone, rel=1e-12)
+    assert alone[0] != pytest.approx(1.0) and alone[1] != pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("extra", [
     ["--high-entropy-fraction", "0.3", "--objective", "clip-cov", "--eps-low", "1.0", "--eps-high",
      "1.0", "--cov-fraction", "0.2", "--clip-cov-low", "-100", "--clip-cov-high", "100"],
@@ -790,6 +863,21 @@ def test_each_rollout_correction_acts_in_a_run(tiny, tmp_path, preset):
     assert 0 < max(r["tis_cut_frac"] for r in rows) and min(r["tis_cut_frac"] for r in rows) < 1
 
 
+@pytest.mark.slow
+def test_rollout_rejection_and_normalisation_act_in_a_run(tiny, tmp_path):
+    """On the bf16 path, k3 of the sampler-trainer gap passes a bound that tight on some tokens
+    and not all; the normalised weights average about 1 over what is kept."""
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    run_train(["--model", model_dir, "--data", data_file, "--steps", "2", "--out", str(out),
+               "--tis-cap", "2", "--tis-normalize", "--tis-reject", "token_k3", "--tis-reject-bound", "1e-6"]
+              + flags(dtype="bfloat16", max_new_tokens="8"))
+    rows = metrics(out)
+    assert all(r["skipped_updates"] == 0 for r in rows)
+    assert 0 < max(r["tis_rejected_frac"] for r in rows) and min(r["tis_rejected_frac"] for r in rows) < 1
+    assert all(0.9 < r["tis_weight"] < 1.1 for r in rows if r["tis_weight"] is not None)
+
+
 def test_rollout_correction_and_choice_flags_are_checked(capsys):
     import config
     assert config.parse_config(["--preset", "icepop", "--model", "x"])[0].tis_floor == 0.5
@@ -801,7 +889,15 @@ def test_rollout_correction_and_choice_flags_are_checked(capsys):
                         (["--reward-kl-coef", "0.1"], "--reward-kl-coef"),       # no REINFORCE++
                         (["--objective", "kl-cov", "--clip-cov-low", "0"], "--clip-cov-low"),
                         (["--objective", "clip-cov", "--clip-cov-low", "5", "--clip-cov-high", "1"],
-                         "--clip-cov-high")]:
+                         "--clip-cov-high"),
+                        (["--tis-normalize"], "--tis-cap"),          # nothing to normalise
+                        (["--tis-reject-bound", "0.5"], "--tis-reject"),
+                        (["--tis-reject", "seq_max_k1", "--tis-reject-bound", "2"], "one side only"),
+                        (["--tis-reject", "token_k4", "--tis-reject-bound", "2"], "token_k4"),
+                        (["--tis-reject", "token_k1", "--tis-reject-bound", "1"], "[1/U, U]"),
+                        (["--tis-reject", "seq_mean_k3"], "--tis-reject-bound > 0"),
+                        (["--tis-reject", "token_k2", "--tis-reject-bound", "1", "--top-p", "0.9"], "--top-p"),
+                        (["--algo", "dpo", "--tis-reject", "token_k2", "--tis-reject-bound", "1"], "dpo")]:
         with pytest.raises(SystemExit):
             config.parse_config(["--model", "x"] + argv)
         assert named in capsys.readouterr().err, argv
