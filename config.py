@@ -169,7 +169,12 @@ def sampling_flags(g):
                    help="more samples for prompts near 50%% accuracy, same total")
 
 def reward_flags(g):
-    g.add_argument("--correct-reward", type=float, default=1.0, help="reward of a right answer")
+    g.add_argument("--reward", default="", metavar="FILE.py:FUNCTION",
+                   help="your own reward in place of the rule reward: function(reply, row) -> "
+                        "float or (float, {part: float}), row the data row with all its fields; "
+                        "also MODULE:FUNCTION (README: your own task)")
+    g.add_argument("--correct-reward", type=float, default=1.0,
+                   help="reward of a right answer (with --reward: the score that counts as right)")
     g.add_argument("--wrong-reward", type=float, default=-1.0, help="reward of a wrong answer")
     g.add_argument("--format-reward", default="none", choices=["none", *rewards.FORMAT_STYLES],
                    help="add --format-weight for this format (xml: the GSM8K recipe's terms)")

@@ -238,6 +238,7 @@ def _records_from_rows(numbered_rows, source, limit):
     """Reads the layout off the first row, then turns every row into a record (or fails)."""
     records, layout, seen = [], None, set()
     for number, row in numbered_rows:
+        fields = dict(row)  # the row as the file has it: what a --reward function reads
         lowered = {str(key).lower(): value for key, value in row.items()}
         if len(lowered) < len(row):  # "Answer" and "answer": which one is meant?
             clash = sorted(k for k in row if sum(str(o).lower() == str(k).lower() for o in row) > 1)
@@ -246,7 +247,7 @@ def _records_from_rows(numbered_rows, source, limit):
         row = lowered
         if layout is None:
             layout = _detect_layout(row, source, number)
-        record = _record_from_row(row, layout, source, number)
+        record = {**_record_from_row(row, layout, source, number), "fields": fields}
         if layout == "verl":
             # The hub file repeats each of its ~17k prompts about 100 times; keep one of each.
             key = (record["prompt"], record["answer"])

@@ -119,7 +119,7 @@ def play(model, tokenizer, records, num_samples, seeds, *, template, **sampling)
         completions = generate(model, prompts, num_samples=1, seed=turn_seeds, **sampling)
 
 
-def play_and_reward(model, tokenizer, records, num_samples, seeds, args, stop_ids):
+def play_and_reward(model, tokenizer, records, num_samples, seeds, args, stop_ids, reward_function=None):
     """Step 1 of a training step for a task in turns: num_samples[i] episodes of records[i],
     each rewarded by its last turn's answer; that outcome, with every turn's length and
     perplexity terms (change 4 applies per turn), is the reward of all its turns.
@@ -127,7 +127,7 @@ def play_and_reward(model, tokenizer, records, num_samples, seeds, args, stop_id
     played = play(model, tokenizer, records, num_samples, seeds, template=args.template,
                   **config.sampling_options(args, stop_ids))
     group = [g for g, n in enumerate(num_samples) for _ in range(n)]  # (E,) prompt of each episode
-    scored = [rewards.math_reward(turns[-1].text, records[g]["answer"],
+    scored = [rewards.task_reward(turns[-1].text, records[g], function=reward_function,
                                   **config.reward_options(args, turns[-1].completion))
               for turns, g in zip(played, group)]
     per_turn = [[rewards.shaping(**config.shaping_options(args, t.completion)) for t in turns[:-1]]

@@ -113,7 +113,7 @@ def _cut_plain_continuation(text):
 
 def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_k=0,
              max_new_tokens=256, template="dapo", batch_size=None, seed=0, stop_ids=None,
-             compile=None, progress=True, ids=None):
+             compile=None, progress=True, ids=None, judge=None):
     """Plays k episodes of each record and scores each one's last reply -> (summary dict,
     per-problem list).
 
@@ -127,6 +127,7 @@ def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_
     ids: each record's index in the whole held-out list (default 0, 1, ...), its samples' seed:
     a problem's samples do not depend on the others beside it, so a rank's share of the records
     gives the rows one process would (train.py evaluates that way, launch.evaluate_and_log).
+    judge: judge(reply, record) -> bool in verify.is_correct's place (a run's --reward, a task's own).
     """
     _check_settings(records, k, temperature)
     model = getattr(model, "module", model)
@@ -153,7 +154,7 @@ def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_
                                    [seed * 1_000_003 + ids[i] for i in indices], template=template,
                                    **sampling)
             for j, i in enumerate(indices):  # prompt-major: record j's k episodes at j*k
-                results[i] = _score(records[i], played[j * k:(j + 1) * k], tokenizer, plain)
+                results[i] = _score(records[i], played[j * k:(j + 1) * k], tokenizer, plain, judge)
                 solved += sum(results[i]["correct"])
                 generated += sum(results[i]["lengths"])
             bar.update(len(indices))
@@ -182,15 +183,20 @@ def _check_settings(records, k, temperature):
                          "temperature > 0 with k > 1")
 
 
-def _score(record, played, tokenizer, plain):
+def _score(record, played, tokenizer, plain, judge=None):
     """One record's k episodes (lists of episodes.Turn) -> its per-problem row. Lengths and
     finish reasons are per turn; `turns` counts each episode's; a task in turns adds every
-    episode's replies (`transcripts`: the memory it wrote, page by page)."""
+    episode's replies (`transcripts`: the memory it wrote, page by page). A judge decides each
+    reply, and the vote by the first reply that gave the voted answer."""
     responses = [episode[-1].text for episode in played]  # the last reply holds the answer
     if plain:
         responses = [_cut_plain_continuation(text) for text in responses]
     extracted = [verify.extract_answer(text) for text in responses]
     voted, votes = majority_vote(extracted)
+    correct = [judge(text, record) if judge else verify.is_correct(text, record["answer"])
+               for text in responses]
+    voted_correct = verify.answers_equal(voted, record["answer"]) if not judge else \
+        voted is not None and correct[extracted.index(voted)]
     row = {
         "id": record["id"],
         "problem": record["prompt"],
@@ -198,13 +204,13 @@ def _score(record, played, tokenizer, plain):
         "answer": record["answer"],
         "responses": responses,
         "extracted": extracted,
-        "correct": [verify.is_correct(text, record["answer"]) for text in responses],
+        "correct": correct,
         "lengths": [len(turn.completion.tokens) for episode in played for turn in episode],
         "finish_reasons": [turn.completion.finish_reason for episode in played for turn in episode],
         "turns": [len(episode) for episode in played],
         "voted": voted,
         "votes": votes,
-        "voted_correct": verify.answers_equal(voted, record["answer"]),
+        "voted_correct": voted_correct,
     }
     if "pages" in record:
         row["transcripts"] = [[turn.text for turn in episode] for episode in played]

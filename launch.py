@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -34,6 +35,7 @@ import data
 import episodes
 import evaluation
 import quantize
+import rewards
 import runs
 import sharding
 import tracking
@@ -70,6 +72,8 @@ class Run:
     variant_rng: random.Random  # draws the adversarial variants
     run_lock: object            # rank 0's hold on the run directory (run.lock), else None
     tracker: tracking.Tracker = tracking.Tracker([], None, {})  # --report-to (rank 0), else none
+    reward_function: object = None  # --reward's (or a task's own), else None: the rule reward
+    reward_parts: tuple = ()        # the names of its parts, logged as reward_<name>
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,10 @@ def setup(args):
         source, heldout = from_rank0(lambda: load_data(args, tokenizer, model_config.max_seq_len), rank, world)
     except data.DataError as e:
         sys.exit(f"train.py: --data: {e}")
+    try:  # --reward's function, called once on a data row before any weight loads
+        reward_function, reward_parts = task_reward_function(args, source)
+    except ValueError as e:
+        sys.exit(f"train.py: {e}")
     capacity = memory_plan.device_capacity(device)  # a GPU's: a run that cannot fit stops here
     if capacity:
         memory_plan.check_before_loading(args, model_config, data.longest_prompt(
@@ -179,7 +187,17 @@ def setup(args):
                                     betas=(0.9, 0.999), fused=True),  # one kernel for all tensors
         source=source, heldout=heldout, bf16=bf16, run_lock=run_lock,
         stream=data.PromptStream(source, args.prompts_per_step, seed=args.seed, rank=rank, world_size=world),
-        variant_rng=random.Random(f"{args.seed}:adversarial:{rank}"))
+        variant_rng=random.Random(f"{args.seed}:adversarial:{rank}"),
+        reward_function=reward_function, reward_parts=tuple(reward_parts))
+
+
+def task_reward_function(args, source):
+    """--reward's function, checked on the first training row; else the task's own (Countdown's)
+    or None, the rule reward. -> (function or None, the names of its parts)"""
+    if not args.reward:
+        return getattr(source, "reward_function", None), []
+    first = source.sample(1, random.Random(0))[0] if hasattr(source, "sample") else source[0]
+    return rewards.checked_reward_function(args.reward, first, args.data, args.correct_reward)
 
 
 def refuse_mismatches(args, model_config):
@@ -449,7 +467,9 @@ def evaluate_and_log(run, progress):
     process would give (each problem's samples are seeded by its index). -> the summary"""
     args, started = run.args, time.perf_counter()
     settings = dict(max_new_tokens=args.max_new_tokens, template=args.template, stop_ids=run.stop_ids,
-                    compile=config.compile_choice(args), progress=False)
+                    compile=config.compile_choice(args), progress=False, judge=functools.partial(
+                        rewards.judged_right, run.reward_function, right_from=args.correct_reward)
+                    if run.reward_function else None)
     mine = list(range(run.rank, len(run.heldout), run.world))
     greedy = held_out_rows(run, mine, settings)
     result = {key: evaluation.summarize(greedy, 1)[key] for key in ("pass@1", "n", "mean_length", "truncated")}

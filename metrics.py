@@ -14,6 +14,12 @@ REWARD_TERMS = ("correct", "format", "format_ok", "integer", "xml_count", "overl
                 "efficiency")  # rewards.math_reward's components, and the efficiency bonus
 
 
+def reward_terms(run):
+    """The reward's parts logged as reward_<name>: the rule reward's terms, and with a reward
+    function its failures (error) and its own parts."""
+    return REWARD_TERMS + (("error", *run.reward_parts) if run.reward_function else ())
+
+
 def update_means(args):
     """The policy-gradient metrics logged as means per loss token."""
     return ["clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "ratio_mean",
@@ -39,7 +45,7 @@ def step_metrics(run, progress, collected, done, update_sums, update_maxima, sec
             "groups_carried": surplus.num_groups if surplus else 0,
             "update_tokens": sum(len(p) + len(t) for p, t in zip(kept.prompts, kept.tokens)),
             **{f"reward_{name}": sum(done.reward_parts[i].get(name, 0.0) for i in firsts)
-               for name in REWARD_TERMS}, **update_sums}
+               for name in reward_terms(run)}, **update_sums}
     # The largest context of a turn, prompt and completion: what a turn's budget must hold.
     context = max((len(p) + len(t) for p, t in zip(done.prompts, done.tokens)), default=0)
     total = reduce_metrics(sums, {"rounds": len(sampled), "context_max": context, **update_maxima})
@@ -50,7 +56,7 @@ def step_metrics(run, progress, collected, done, update_sums, update_maxima, sec
     row = {"step": progress.step + 1, "updates": progress.updates + int(applied),
            "lr": run.optimizer.param_groups[0]["lr"], "level": getattr(run.source, "level", None),
            "reward": total["reward"] / n, "accuracy": total["correct"] / n,
-           **{f"reward_{name}": total[f"reward_{name}"] / n for name in REWARD_TERMS},
+           **{f"reward_{name}": total[f"reward_{name}"] / n for name in reward_terms(run)},
            "response_length": total["length"] / turns, "truncated": total["truncated"] / turns,
            "turns_per_episode": total["turns"] / n,
            "memory_length": total["memory_tokens"] / max(1.0, total["memories"]),

@@ -10,13 +10,17 @@ when it ran long. `math_reward` adds this codebase's optional terms and returns
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 import re
+import sys
 
 from verify import ANSWER_LINE_RE, MAX_SCAN_CHARS, answer_tag, clean_text, is_correct
 
 __all__ = ["overlong_penalty", "perplexity_penalty", "shaping", "format_reward", "xml_terms",
-           "math_reward", "FORMAT_STYLES"]
+           "math_reward", "FORMAT_STYLES", "load_reward_function", "checked_reward_function", "user_score",
+           "task_reward"]
 
 # ---------------------------------------------------------------------------------------------
 # Shaping terms
@@ -210,6 +214,7 @@ def math_reward(
     mean_nll: float | None = None,
     ppl_threshold: float | None = None,
     ppl_window: float | None = None,
+    score: tuple[float, bool] | None = None,
 ) -> tuple[float, dict[str, float]]:
     """Reward of one completion and its components; the reward is the sum of the terms
     correct + format + integer + xml_count + overlong + ppl.
@@ -221,8 +226,9 @@ def math_reward(
     recipe for GSM8K is format_style "xml", format_weight 0.5, correct 2.0, wrong 0.0.
     The overlong term is on when max_len or cache_len is given (then length, max_len and cache_len
     are all required); the perplexity term when ppl_threshold or ppl_window is given (then
-    mean_nll, ppl_threshold and ppl_window are required). Bad arguments raise ValueError; the
-    response text never makes this raise.
+    mean_nll, ppl_threshold and ppl_window are required). `score`: (value, right) from a reward
+    function (`task_reward`) in eq. 7's place; `truth` is then not read. Bad arguments raise
+    ValueError; the response text never makes this raise.
     """
     style = _format_style(format_style) if format_style is not None else None
     r_correct, r_wrong = _finite("correct", correct), _finite("wrong", wrong)
@@ -230,9 +236,10 @@ def math_reward(
     shaped = shaping(length=length, max_len=max_len, cache_len=cache_len, mean_nll=mean_nll,
                      ppl_threshold=ppl_threshold, ppl_window=ppl_window)
 
-    ok = is_correct(response, truth)
+    ok = is_correct(response, truth) if score is None else score[1]
     # DAPO eq. 7: R(y_hat, y) = 1 if is_equivalent(y_hat, y) else -1
-    c = {"correct": r_correct if ok else r_wrong, "accuracy": 1.0 if ok else 0.0,
+    rule = (r_correct if ok else r_wrong) if score is None else _finite("score", score[0])
+    c = {"correct": rule, "accuracy": 1.0 if ok else 0.0,
          "format": 0.0, "format_ok": 0.0, "integer": 0.0, "xml_count": 0.0, "overlong": 0.0,
          "ppl": 0.0}
     if style is not None:
@@ -244,3 +251,113 @@ def math_reward(
     c.update(shaped)
     total = c["correct"] + c["format"] + c["integer"] + c["xml_count"] + c["overlong"] + c["ppl"]
     return total, c
+
+
+# ---------------------------------------------------------------------------------------------
+# Your own reward: --reward FILE.py:FUNCTION or MODULE:FUNCTION
+
+def load_reward_function(spec: str):
+    """The function `spec` names: FILE.py:FUNCTION (a path) or MODULE:FUNCTION (importable).
+    ValueError with one line naming what is wrong, the module's own error included."""
+    target, colon, name = str(spec).rpartition(":")
+    if not colon or not target or not name.isidentifier():
+        raise ValueError(f"--reward {spec!r}: expected FILE.py:FUNCTION or MODULE:FUNCTION")
+    try:
+        if target.endswith(".py"):
+            if not os.path.isfile(target):
+                raise ValueError(f"--reward {spec}: {target}: no such file")
+            found = importlib.util.spec_from_file_location(f"reward_{abs(hash(target))}", target)
+            module = importlib.util.module_from_spec(found)
+            found.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except ValueError:
+        raise
+    except BaseException as error:  # a syntax error or a raise at import: its own words, one line
+        raise ValueError(f"--reward {spec}: {target} failed to load: {type(error).__name__}: "
+                         f"{error}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"--reward {spec}: {target} has no function {name!r}")
+    return function
+
+
+# The parts this file's terms log; a reward function's own parts take other names.
+RULE_PARTS = ("correct", "accuracy", "format", "format_ok", "integer", "xml_count", "overlong", "ppl",
+              "efficiency", "error")
+
+
+def checked_reward_function(spec: str, record: dict, source: str, right_from: float = 1.0):
+    """--reward's function, loaded and called once on `record` (the first data row) with the
+    reply "Answer: <its answer>", before any weight loads: a broken one is one line naming the
+    function, the row and the exception. -> (function, the names of its parts)"""
+    function = load_reward_function(spec)
+    where = f"--reward {spec}: on row {record.get('row', 1)} of {source}"
+    try:
+        _, _, parts = user_score(function, f"Answer: {record.get('answer', '')}",
+                                 record.get("fields", record), right_from)
+    except Exception as error:
+        raise ValueError(f"{where}: {type(error).__name__}: {error}") from None
+    clash = sorted(set(parts) & set(RULE_PARTS))
+    if clash:
+        raise ValueError(f"{where}: parts {clash} share names with the rule reward's terms "
+                         f"({', '.join(RULE_PARTS)}): rename them")
+    return function, sorted(parts)
+
+
+def user_score(function, response: str, row: dict, right_from: float = 1.0):
+    """`function(response, row)` checked: a float, or (float, {name: float}) whose parts are
+    logged as reward_<name>. -> (value, right, parts): right is a part named "accuracy" > 0 when
+    there is one, else value >= right_from (--correct-reward). ValueError for a return that is
+    not that, or not finite; the function's own exceptions pass through."""
+    out = function(response, row)
+    value, parts = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"returned {out!r}: expected a finite number, or (number, {{name: number}})")
+    if not isinstance(parts, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(v) for k, v in parts.items()):
+        raise ValueError(f"returned parts {parts!r}: expected {{name: finite number}}")
+    right = parts["accuracy"] > 0 if "accuracy" in parts else value >= right_from
+    return float(value), right, {k: float(v) for k, v in parts.items() if k != "accuracy"}
+
+
+def task_reward(response: str, record: dict, *, function=None, **options):
+    """A reply's reward and its parts: the rule reward on record["answer"] (`math_reward`), or,
+    with a reward function (--reward, or a task's own), its score in eq. 7's place, the format
+    and shaping terms still on top; the function reads the data row with all its fields. A
+    function that raises, or returns a non-finite value, scores the reply as wrong (`wrong`)
+    with parts["error"] = 1: counted in the log, never a crash. -> (reward, parts)"""
+    if function is None:
+        return math_reward(response, record["answer"], **options)
+    try:
+        value, right, named = user_score(function, response, record.get("fields", record),
+                                         options.get("correct", 1.0))
+        named["error"] = 0.0
+    except Exception as error:  # the user's code: any exception, as the one line it is
+        _report_once(function, error)
+        value, right, named = options.get("wrong", -1.0), False, {"error": 1.0}
+    total, parts = math_reward(response, None, score=(value, right), **options)
+    return total, {**parts, **named}
+
+
+def judged_right(function, response: str, record: dict, right_from: float = 1.0) -> bool:
+    """Held-out accuracy under a reward function: whether it counts the reply as right (one that
+    raises or returns nonsense: not right)."""
+    try:
+        return user_score(function, response, record.get("fields", record), right_from)[1]
+    except Exception:
+        return False
+
+
+_REPORTED = set()  # the reward functions whose first failure was printed
+
+
+def _report_once(function, error):
+    """A reward function's first failure in this process, on stderr (later ones are counted in
+    reward_error only)."""
+    if function not in _REPORTED:
+        _REPORTED.add(function)
+        print(f"--reward {getattr(function, '__name__', function)} failed on a reply "
+              f"({type(error).__name__}: {error}); such replies score as wrong, counted in "
+              "metrics.jsonl's reward_error", file=sys.stderr, flush=True)

@@ -210,14 +210,14 @@ def sample_and_reward(run, records, num_samples, seeds):
     args, tokenizer, sampler = run.args, run.tokenizer, run.sampler.eval()
     if any(episodes.in_turns(record) for record in records):
         return Rollouts(**episodes.play_and_reward(sampler, tokenizer, records, num_samples, seeds,
-                                                   args, run.stop_ids))
+                                                   args, run.stop_ids, run.reward_function))
     prompts = [data.format_prompt(record, tokenizer, args.template) for record in records]
     done = rollout.generate(sampler, prompts, num_samples=num_samples, seed=seeds,
                             **config.sampling_options(args, run.stop_ids))  # prompt-major
     records_ = [records[c.prompt_index] for c in done]
-    scored = [rewards.math_reward(record.get("reply_prefix", "") + tokenizer.decode(
-        c.tokens, skip_special_tokens=True), record["answer"], **config.reward_options(args, c))
-        for record, c in zip(records_, done)]
+    scored = [rewards.task_reward(record.get("reply_prefix", "") + tokenizer.decode(
+        c.tokens, skip_special_tokens=True), record, function=run.reward_function,
+        **config.reward_options(args, c)) for record, c in zip(records_, done)]
     correct = [parts["accuracy"] > 0 for _, parts in scored]
     bonus = [0.0] * len(done)
     if args.efficiency_weight:  # balanced reasoning: short right answers score a little more

@@ -102,7 +102,8 @@ def test_jsonl_and_json_generic_layouts(tmp_path):
     json_path = tmp_path / "b.json"
     json_path.write_text(json.dumps([{"question": "Name 5.", "answer": 5, "id": 7}]))
     records = load_records(str(json_path))
-    assert records[0] == {"prompt": "Name 5.", "answer": "5", "id": "7", "row": 1}
+    assert records[0] == {"prompt": "Name 5.", "answer": "5", "id": "7", "row": 1,
+                          "fields": {"question": "Name 5.", "answer": 5, "id": 7}}  # as in the file
     # `Dataset.to_json` writes JSON lines under a .json name: accepted too
     lines_path = tmp_path / "c.json"
     write_jsonl(lines_path, rows[:1] * 3)

@@ -715,3 +715,87 @@ def test_xml_recipe_terms():
     assert c["xml_count"] == pytest.approx(0.125 - 0.020)  # only "\n</answer>" once, minus chatter
     assert format_reward(XML_GOOD, "xml") == 1.0 and format_reward(XML_GOOD, "think") == 0.0
     assert xml_terms(None) == {"integer": 0.0, "xml_count": 0.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Your own reward (--reward FILE.py:FUNCTION)
+
+EXAMPLE = str(pathlib.Path(__file__).resolve().parents[1] / "recipes" / "tolerance_reward.py")
+
+
+def _reward_file(tmp_path, body, name="mine.py"):
+    path = tmp_path / name
+    path.write_text(body)
+    return str(path)
+
+
+def test_the_worked_example_reads_the_rows_own_fields():
+    function = rewards.load_reward_function(f"{EXAMPLE}:reward")
+    row = {"prompt": "Boiling point of water in K?", "answer": "373.15", "tolerance": 0.5}
+    assert function("About 373.4 K.", row) == (1.0, {"answered": 1.0})
+    assert function("373.7", row) == (0.0, {"answered": 1.0})
+    assert function("hot", row) == (0.0, {"answered": 0.0})
+    assert function("373.15", {**row, "tolerance": 0}) == (1.0, {"answered": 1.0})
+
+
+def test_loading_a_reward_function_says_what_is_wrong(tmp_path):
+    assert rewards.load_reward_function("os.path:join") is __import__("os").path.join  # MODULE:FUNCTION
+    broken = _reward_file(tmp_path, "x = 1 / 0\n", "broken.py")
+    empty = _reward_file(tmp_path, "def other(reply, row):\n    return 0.0\n", "empty.py")
+    for spec, said in [("no_colon", "FILE.py:FUNCTION"), (f"{tmp_path}/missing.py:f", "no such file"),
+                       (f"{broken}:reward", "ZeroDivisionError"), (f"{empty}:reward", "no function 'reward'"),
+                       ("not_a_module_here:f", "ModuleNotFoundError")]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            rewards.load_reward_function(spec)
+
+
+@pytest.mark.parametrize("body,said", [
+    ("def reward(reply, row):\n    return row['missing']\n", "KeyError"),
+    ("def reward(reply, row):\n    return float('nan')\n", "expected a finite number"),
+    ("def reward(reply, row):\n    return 'high'\n", "expected a finite number"),
+    ("def reward(reply, row):\n    return 1.0, {'n': None}\n", "expected {name: finite number}"),
+    ("def reward(reply, row):\n    return 1.0, {'format': 1.0}\n", "share names"),
+])
+def test_a_broken_reward_function_is_one_line_at_load(tmp_path, body, said):
+    spec = _reward_file(tmp_path, body) + ":reward"
+    record = {"prompt": "p", "answer": "4", "row": 7, "fields": {"prompt": "p", "answer": 4}}
+    with pytest.raises(ValueError) as caught:
+        rewards.checked_reward_function(spec, record, "data.jsonl")
+    message = str(caught.value)
+    assert said in message and "row 7 of data.jsonl" in message and "\n" not in message
+
+
+def test_a_reward_function_takes_the_rule_rewards_place():
+    """Its value replaces eq. 7's term; the shaping terms still add on top; its parts are kept;
+    right: its "accuracy" part when it gives one, else value >= --correct-reward."""
+    def graded(reply, row):
+        return (0.5, {"steps": 2.0}) if "half" in reply else (row["full"], {"steps": 3.0})
+
+    record = {"prompt": "p", "answer": "x", "fields": {"full": 2.0}}
+    overlong = dict(length=18, max_len=20, cache_len=5)  # eq. 13: -0.6
+    total, parts = rewards.task_reward("half", record, function=graded, correct=1.0, wrong=-1.0, **overlong)
+    assert total == pytest.approx(0.5 - 0.6) and parts["correct"] == 0.5 and parts["accuracy"] == 0.0
+    assert (parts["steps"], parts["error"], parts["overlong"]) == (2.0, 0.0, pytest.approx(-0.6))
+    total, parts = rewards.task_reward("all", record, function=graded, correct=1.0, wrong=-1.0)
+    assert total == 2.0 and parts["accuracy"] == 1.0
+    assert rewards.user_score(lambda reply, row: (0.2, {"accuracy": 1.0}), "", {}) == (0.2, True, {})
+    assert rewards.judged_right(graded, "all", record) and not rewards.judged_right(graded, "half", record)
+
+
+def test_a_reward_function_that_fails_mid_run_scores_wrong_and_is_counted(capsys):
+    calls = []
+
+    def flaky(reply, row):
+        calls.append(reply)
+        if reply == "boom":
+            raise RuntimeError("no parse")
+        return float("nan") if reply == "nan" else 1.0
+
+    record = {"prompt": "p", "answer": "x"}
+    for reply in ("boom", "nan", "boom"):
+        total, parts = rewards.task_reward(reply, record, function=flaky, correct=1.0, wrong=-1.0)
+        assert (total, parts["error"], parts["accuracy"]) == (-1.0, 1.0, 0.0)
+    assert rewards.task_reward("fine", record, function=flaky, correct=1.0, wrong=-1.0)[1]["error"] == 0.0
+    said = capsys.readouterr().err
+    assert said.count("failed on a reply") == 1 and "RuntimeError: no parse" in said  # the first, once
+    assert not rewards.judged_right(flaky, "boom", record)

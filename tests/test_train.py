@@ -979,6 +979,54 @@ def test_reward_flags_reach_the_reward(tiny, tmp_path):
     assert "reward_xml_count" in metrics(out)[0]
 
 
+def tolerance_data(path):
+    """digit_data's rows with a field of their own, which the example reward reads."""
+    rows = [{**json.loads(line), "tolerance": 1} for line in Path(digit_data(path)).read_text().splitlines()]
+    Path(path).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_a_reward_function_that_fails_on_a_row_stops_the_run_before_any_weight(tiny, tmp_path):
+    model_dir, _ = tiny
+    broken = tmp_path / "broken.py"
+    broken.write_text("def reward(reply, row):\n    return row['reference'] == reply\n")
+    out = tmp_path / "run"
+    proc = run_train(["--model", model_dir, "--data", tolerance_data(tmp_path / "rows.jsonl"),
+                      "--reward", f"{broken}:reward", "--out", str(out)] + BASE, check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and last.startswith("train.py: --reward") and "KeyError" in last
+    assert "on row 1 of" in last and not out.exists()  # stopped before the run directory, and weights
+
+
+@pytest.mark.slow
+def test_your_own_reward_trains_and_its_failures_are_counted(tiny, tmp_path):
+    """--reward FILE.py:FUNCTION on a jsonl with a field of its own: 2 steps, its parts in
+    metrics.jsonl; a function that raises or returns NaN on the model's replies (not on the
+    row's answer, which it is checked with at load) scores them wrong, counted, never a crash."""
+    model_dir, _ = tiny
+    rows = tolerance_data(tmp_path / "rows.jsonl")
+    out = tmp_path / "mine"
+    run_train(["--model", model_dir, "--data", rows, "--steps", "2", "--out", str(out),
+               "--reward", "recipes/tolerance_reward.py:reward"] + BASE)
+    logged = metrics(out)
+    assert len(logged) == 2 and all(0 <= r["reward_answered"] <= 1 and r["reward_error"] == 0 for r in logged)
+    assert all(0 <= r["reward_correct"] <= 1 for r in logged)  # the function's score, eq. 7's place
+    assert all(r["reward"] == pytest.approx(r["reward_correct"] + r["reward_overlong"]) for r in logged)
+    flaky = tmp_path / "flaky.py"
+    flaky.write_text("def raises(reply, row):\n    if not reply.startswith('Answer:'):\n"
+                     "        raise ValueError('no Answer: line')\n    return 1.0\n\n"
+                     "def nan(reply, row):\n    return 1.0 if reply.startswith('Answer:') else float('nan')\n")
+    for name in ("raises", "nan"):
+        out = tmp_path / name
+        proc = run_train(["--model", model_dir, "--data", rows, "--steps", "1", "--out", str(out),
+                          "--reward", f"{flaky}:{name}"] + BASE)
+        row = metrics(out)[0]
+        # (the tiny vocabulary has "Answer:": a few replies start with it and score 1)
+        assert row["reward_error"] > 0.5 and row["accuracy"] == pytest.approx(1 - row["reward_error"])
+        assert row["reward_correct"] == pytest.approx(row["accuracy"] - row["reward_error"])  # +1 / -1
+        assert "failed on a reply" in proc.stderr
+
+
 @pytest.mark.slow
 def test_bf16_path_runs(tiny, tmp_path):
     """--dtype bfloat16 (the GPU default): rollouts from a bf16 copy of the policy, updates under
