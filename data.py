@@ -453,7 +453,12 @@ def _stable_hash(text):
 
 def is_heldout(operands, ops):
     """Whether the problem `operands[0] ops[0] operands[1] ...` belongs to the fixed held-out split."""
-    return _stable_hash(_heldout_key(operands, ops)) % HELDOUT_EVERY == 0
+    return in_heldout_split(_heldout_key(operands, ops))
+
+
+def in_heldout_split(key):
+    """Whether the problem named `key` is held out: a quarter of any task's problems, by hash."""
+    return _stable_hash(key) % HELDOUT_EVERY == 0
 
 
 def _arithmetic_hint(operands, ops):
@@ -694,9 +699,10 @@ def _with_prompt(record, new_prompt, new_id, kind, added_text):
 
 
 def default_template(data_name):
-    """"none" (the bare question) for the synthetic tasks, arithmetic and memory, as their figures
-    were measured; "dapo" (DAPO's "Answer:" instruction) for everything else."""
-    return "none" if str(data_name).split(":", 1)[0] in ("arithmetic", "memory") else "dapo"
+    """"none" (the bare question) for the synthetic tasks, arithmetic, memory and countdown (whose
+    prompt says how to answer), as their figures were measured; "dapo" (DAPO's "Answer:"
+    instruction) for everything else."""
+    return "none" if str(data_name).split(":", 1)[0] in ("arithmetic", "memory", "countdown") else "dapo"
 
 
 def is_plain_prompt(tokenizer, template):
@@ -707,10 +713,13 @@ def is_plain_prompt(tokenizer, template):
 def longest_prompt(source, tokenizer, template) -> int | None:
     """The most tokens a training prompt of `source` takes (memory_plan.py sizes by it): records'
     longest; an arithmetic task's longest of 64 problems eight curriculum levels up (operands
-    256x larger); None for a task in turns (its prompts grow with the episode)."""
+    256x larger), another task's of 64; None for a task in turns (its prompts grow with the
+    episode)."""
     if isinstance(source, ArithmeticTask):
         source = source.at_level(source.level + 8).sample(64, random.Random(0))
-    elif not isinstance(source, list):
+    elif hasattr(source, "sample"):
+        source = source.sample(64, random.Random(0))
+    if any("pages" in record for record in source):  # (episodes.in_turns)
         return None
     return max((len(format_prompt(record, tokenizer, template)) for record in source), default=0)
 

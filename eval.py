@@ -14,9 +14,11 @@
 
 `--data` is whatever data.load_records takes: gsm8k, math500, aime24, dapo-math-17k (hub),
 arithmetic[:key=value,...] (synthetic; split "test" is its fixed held-out set, 200 problems unless
---limit says otherwise), or a local .jsonl/.json/.parquet file with the hub's field names; or the
-memory task in turns, memory[:key=value,...] (episodes.py; its held-out diaries, 50 unless --limit
-says otherwise, as the dapo-memory preset evaluates).
+--limit says otherwise), countdown[:key=value,...] (countdown.py; its held-out problems, judged by
+its own reward), or a local .jsonl/.json/.parquet file with the hub's field names (`--reward
+FILE.py:FUNCTION` judges its replies with your own function); or the memory task in turns,
+memory[:key=value,...] (episodes.py; its held-out diaries, 50 unless --limit says otherwise, as
+the dapo-memory preset evaluates).
 
     # a memory run's model on 12-page diaries, four times longer than it was trained on
     python eval.py --model runs/my-memory-run/final --data memory:pages=12,max=9,filler=2,ask=first --limit 50
@@ -43,6 +45,7 @@ Tests: python -m pytest tests/test_eval.py -q   (add `-m "not slow"` to skip the
 """
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -54,8 +57,11 @@ import time
 import torch
 
 import checkpoints
+import countdown
 import data
 import episodes
+import launch
+import rewards
 import rollout
 from evaluation import DEFAULT_ROWS, evaluate
 from speed import keep_freed_memory, pack_linears
@@ -72,7 +78,7 @@ def task_name(data_name):
 def default_max_new_tokens(data_name):
     """256 for the arithmetic task (the untrained model's answers run up to ~100 tokens), 16 a turn
     for the memory task (its one-line replies, as the dapo-memory preset), 1024 for benchmarks."""
-    return {"arithmetic": 256, "memory": 16}.get(task_name(data_name), 1024)
+    return {"arithmetic": 256, "memory": 16, "countdown": 256}.get(task_name(data_name), 1024)
 
 
 def default_out_path(data_name, model=None):
@@ -148,14 +154,17 @@ def build_parser():
                            ".gguf file or hub id (default: the bundled SmolLM2-135M-Instruct)")
     what.add_argument("--data", default="arithmetic",
                       help="gsm8k, math500, aime24, dapo-math-17k, arithmetic[:key=value,...], "
-                           "memory[:key=value,...] (in turns) or a local .jsonl/.json/.parquet "
-                           "file (default: arithmetic)")
+                           "countdown[:key=value,...], memory[:key=value,...] (in turns) or a "
+                           "local .jsonl/.json/.parquet file (default: arithmetic)")
     what.add_argument("--split", default="test",
                       help="dataset split; for arithmetic, 'test' is the fixed held-out set "
                            "(default: test; math500 and aime24 have one split and ignore it)")
     what.add_argument("--limit", type=_int_at_least(1), default=None,
-                      help="evaluate the first N problems (default: all; arithmetic: 200, "
-                           "memory: 50)")
+                      help="evaluate the first N problems (default: all; arithmetic and "
+                           "countdown: 200, memory: 50)")
+    what.add_argument("--reward", default="", metavar="FILE.py:FUNCTION",
+                      help="judge replies with your own reward function, as train.py --reward "
+                           "does: right when it says so (default: the answer checker)")
     what.add_argument("--template", choices=data.TEMPLATES, default=None,
                       help="prompt template (default: 'none', the bare question, for arithmetic "
                            "and memory; 'dapo' otherwise)")
@@ -239,12 +248,14 @@ def load_eval_records(parser, args):
     looks_like_path = os.sep in args.data or args.data.endswith(data.FILE_EXTENSIONS)
     if looks_like_path and not os.path.exists(args.data):
         parser.error(f"argument --data: no such file: {args.data}")
-    if task_name(args.data) == "memory" and args.split != "test":
-        parser.error(f"argument --split: the memory task has its held-out diaries only (test), "
-                     f"got {args.split!r}")
+    if task_name(args.data) in ("memory", "countdown") and args.split != "test":
+        parser.error(f"argument --split: the {task_name(args.data)} task has its held-out "
+                     f"problems only (test), got {args.split!r}")
     try:
         records = episodes.MemoryTask.from_spec(args.data).heldout(args.limit or 50) \
             if task_name(args.data) == "memory" else \
+            countdown.CountdownTask.from_spec(args.data).heldout(args.limit or 200) \
+            if task_name(args.data) == "countdown" else \
             data.load_records(args.data, split=args.split, limit=args.limit)
     except data.DataError as error:
         parser.error(f"argument --data: {error}")
@@ -252,6 +263,19 @@ def load_eval_records(parser, args):
         print(f"eval.py: note: {args.data} has only {len(records)} problems (--limit {args.limit})",
               file=sys.stderr)
     return records
+
+
+def reward_judge(parser, args, records):
+    """Who decides a reply is right: --reward's function (checked on the first record, as
+    train.py checks it), Countdown's own, or None: verify.is_correct against the answer."""
+    if not args.reward:
+        return functools.partial(rewards.judged_right, countdown.reward) \
+            if task_name(args.data) == "countdown" else None
+    try:
+        function, _ = launch.checked_reward_function(args.reward, records[0], args.data)
+    except ValueError as error:
+        parser.error(f"argument {error}")
+    return functools.partial(rewards.judged_right, function)
 
 
 def resolve_device(parser, name):
@@ -275,6 +299,7 @@ def main(argv=None):
     device = resolve_device(parser, args.device)
     dtype = resolve_dtype(args.dtype, device)
     records = load_eval_records(parser, args)  # first: a bad name or file fails in a second
+    judge = reward_judge(parser, args, records)
     load_start = time.perf_counter()
     try:
         model, tokenizer = checkpoints.load_model(args.model, dtype=dtype, device=device)
@@ -300,7 +325,7 @@ def main(argv=None):
         summary, results = evaluate(
             model, tokenizer, records, k=args.k, temperature=args.temperature, top_p=args.top_p,
             top_k=args.top_k, max_new_tokens=max_new_tokens, template=template, stop_ids=stop_ids,
-            batch_size=args.batch_size, seed=args.seed, progress=not args.quiet)
+            batch_size=args.batch_size, seed=args.seed, progress=not args.quiet, judge=judge)
     except KeyboardInterrupt:  # (results are written whole or not at all: nothing half-written)
         print(f"\neval.py: interrupted (Ctrl-C); {args.out} not written", file=sys.stderr)
         raise SystemExit(130) from None

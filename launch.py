@@ -14,6 +14,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import random
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 
 import config
+import countdown
 import dapo
 import data
 import episodes
@@ -194,10 +196,55 @@ def setup(args):
 def task_reward_function(args, source):
     """--reward's function, checked on the first training row; else the task's own (Countdown's)
     or None, the rule reward. -> (function or None, the names of its parts)"""
-    if not args.reward:
-        return getattr(source, "reward_function", None), []
     first = source.sample(1, random.Random(0))[0] if hasattr(source, "sample") else source[0]
-    return rewards.checked_reward_function(args.reward, first, args.data, args.correct_reward)
+    if not args.reward:
+        function = getattr(source, "reward_function", None)
+        return function, sorted(rewards.user_score(function, "", first)[2]) if function else []
+    return checked_reward_function(args.reward, first, args.data)
+
+
+def load_reward_function(spec: str):
+    """The function `spec` names: FILE.py:FUNCTION (a path) or MODULE:FUNCTION (importable).
+    ValueError with one line naming what is wrong, the module's own error included."""
+    target, colon, name = str(spec).rpartition(":")
+    if not colon or not target or not name.isidentifier():
+        raise ValueError(f"--reward {spec!r}: expected FILE.py:FUNCTION or MODULE:FUNCTION")
+    try:
+        if target.endswith(".py"):
+            if not os.path.isfile(target):
+                raise ValueError(f"--reward {spec}: {target}: no such file")
+            found = importlib.util.spec_from_file_location(f"reward_{abs(hash(target))}", target)
+            module = importlib.util.module_from_spec(found)
+            found.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except ValueError:
+        raise
+    except BaseException as error:  # a syntax error or a raise at import: its own words, one line
+        raise ValueError(f"--reward {spec}: {target} failed to load: {type(error).__name__}: "
+                         f"{error}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"--reward {spec}: {target} has no function {name!r}")
+    return function
+
+
+def checked_reward_function(spec: str, record: dict, source: str):
+    """--reward's function, loaded and called once on `record` (the first data row) with the
+    reply "Answer: <its answer>", before any weight loads: a broken one is one line naming the
+    function, the row and the exception. -> (function, the names of its parts)"""
+    function = load_reward_function(spec)
+    where = f"--reward {spec}: on row {record.get('row', 1)} of {source}"
+    try:
+        _, _, parts = rewards.user_score(function, f"Answer: {record.get('answer', '')}",
+                                 record.get("fields", record))
+    except Exception as error:
+        raise ValueError(f"{where}: {type(error).__name__}: {error}") from None
+    clash = sorted(set(parts) & set(rewards.RULE_PARTS))
+    if clash:
+        raise ValueError(f"{where}: parts {clash} share names with the rule reward's terms "
+                         f"({', '.join(rewards.RULE_PARTS)}): rename them")
+    return function, sorted(parts)
 
 
 def refuse_mismatches(args, model_config):
@@ -299,8 +346,9 @@ def load_data(args, tokenizer, context):
         raise data.DataError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt "
                              f"in {within}")
     heldout = None
-    if str(args.data).startswith(("arithmetic", "memory")):
-        task = episodes.MemoryTask if str(args.data).startswith("memory") else data.ArithmeticTask
+    if str(args.data).startswith(("arithmetic", "memory", "countdown")):
+        task = {"memory": episodes.MemoryTask, "countdown": countdown.CountdownTask}.get(
+            str(args.data).split(":")[0], data.ArithmeticTask)
         source = task.from_spec(args.data)
         if args.eval_data is None:
             heldout = source.heldout(args.eval_limit)
@@ -333,12 +381,24 @@ def describe(run):
         + (", activations recomputed in backward" if run.policy.gradient_checkpointing else ""),
         f"data      {args.data} (template {args.template}), held-out: "
         f"{len(run.heldout) if run.heldout else 'none'}",
+        f"reward    {answer_format(run)}",
         f"method    preset {args.preset}{cpu}: {method}, dynamic sampling "
         f"{'on' if args.dynamic_sampling else 'off'}",
         f"each step {args.prompts_per_step} prompts x {args.samples} samples of <= "
         f"{args.max_new_tokens} tokens, up to {args.mini_batches} update(s), lr {args.lr:g} ({args.lr_schedule})",
         f"length    {args.steps} steps" + (f" or {args.time_limit:g} training minutes" if args.time_limit else ""),
         f"run       {args.out} (every flag: config.json)"])
+
+
+def answer_format(run):
+    """What the reward reads in a reply, in words (the header; metrics.Watch's warnings)."""
+    args = run.args
+    if args.reward:
+        return f"what {args.reward} scores (your function)"
+    if run.reward_function is countdown.reward:
+        return 'an "Answer: <expression>" line on the given numbers (countdown.py)'
+    return ('an "Answer: X" line or a \\boxed{X} with the right answer (verify.py)'
+            + (f", in the {args.format_reward} format" if args.format_reward != "none" else ""))
 
 
 def open_run_directory(run, progress):
@@ -468,7 +528,7 @@ def evaluate_and_log(run, progress):
     args, started = run.args, time.perf_counter()
     settings = dict(max_new_tokens=args.max_new_tokens, template=args.template, stop_ids=run.stop_ids,
                     compile=config.compile_choice(args), progress=False, judge=functools.partial(
-                        rewards.judged_right, run.reward_function, right_from=args.correct_reward)
+                        rewards.judged_right, run.reward_function, correct=args.correct_reward)
                     if run.reward_function else None)
     mine = list(range(run.rank, len(run.heldout), run.world))
     greedy = held_out_rows(run, mine, settings)
@@ -500,10 +560,15 @@ def held_out_rows(run, mine, settings):
     return ordered
 
 
-def log_step(run, progress, row, examples, bar):
-    """Rank 0 after a step: its row into metrics.jsonl, a few completions into samples.jsonl, the
-    progress bar."""
-    args = run.args
+def log_step(run, progress, row, examples, bar, watch):
+    """Rank 0 after a step: its row into metrics.jsonl (with the warnings of a silent run it
+    completes, also said on the console), a few completions into samples.jsonl, the progress
+    bar."""
+    args, said = run.args, watch.check(row, examples)
+    if said:
+        row = {**row, "warnings": said}
+        for text in said:
+            bar.write(f"warning: {text}", file=sys.stderr)
     append_log(run, "metrics.jsonl", row)
     for line in examples:
         append_log(run, "samples.jsonl", line)

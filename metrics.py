@@ -6,11 +6,14 @@ would weight a rank with fewer samples as much. The row divides them once, by th
 (samples, turns, loss tokens, updates).
 """
 
+import statistics
+
 import config
+import dapo
 import token_choice
 from distributed import gather, reduce_metrics
 
-REWARD_TERMS = ("correct", "format", "format_ok", "integer", "xml_count", "overlong", "ppl",
+REWARD_TERMS = ("correct", "extracted", "format", "format_ok", "integer", "xml_count", "overlong", "ppl",
                 "efficiency")  # rewards.math_reward's components, and the efficiency bonus
 
 
@@ -18,6 +21,12 @@ def reward_terms(run):
     """The reward's parts logged as reward_<name>: the rule reward's terms, and with a reward
     function its failures (error) and its own parts."""
     return REWARD_TERMS + (("error", *run.reward_parts) if run.reward_function else ())
+
+
+def scores(batch):
+    """Each row's task score, before any shaping term: what dynamic sampling compares within a
+    group (eq. 11: the rule reward's +1 / -1 is its correctness; a --reward function's value)."""
+    return [parts["correct"] for parts in batch.reward_parts]
 
 
 def update_means(args):
@@ -43,6 +52,7 @@ def step_metrics(run, progress, collected, done, update_sums, update_maxima, sec
             "groups_sampled": sum(b.num_groups for b in sampled), "groups_kept": kept.num_groups,
             "groups_missing": args.prompts_per_step // run.world - kept.num_groups,
             "groups_carried": surplus.num_groups if surplus else 0,
+            "groups_with_signal": int(dapo.keep_groups(scores(kept), kept.group_sizes).sum()),
             "update_tokens": sum(len(p) + len(t) for p, t in zip(kept.prompts, kept.tokens)),
             **{f"reward_{name}": sum(done.reward_parts[i].get(name, 0.0) for i in firsts)
                for name in reward_terms(run)}, **update_sums}
@@ -58,11 +68,13 @@ def step_metrics(run, progress, collected, done, update_sums, update_maxima, sec
            "reward": total["reward"] / n, "accuracy": total["correct"] / n,
            **{f"reward_{name}": total[f"reward_{name}"] / n for name in reward_terms(run)},
            "response_length": total["length"] / turns, "truncated": total["truncated"] / turns,
+           "response_length_median": statistics.median(sum(gather(lengths, run.world), []) or [0]),
            "turns_per_episode": total["turns"] / n,
            "memory_length": total["memory_tokens"] / max(1.0, total["memories"]),
            "context_max": int(total["context_max"]),
            **{name: int(total[name]) for name in ("groups_sampled", "groups_kept", "groups_missing",
-                                                   "groups_carried", "adversarial_prompts")},
+                                                   "groups_carried", "groups_with_signal",
+                                                   "adversarial_prompts")},
            "groups_kept_per_rank": gather(kept.num_groups, run.world), "rounds": int(total["rounds"]),
            # None when no update had a policy-gradient loss token (DPO, or every group dropped)
            **{name: total.get(name, 0.0) / tokens if tokens else None for name in update_means(args)},
@@ -90,3 +102,43 @@ def step_metrics(run, progress, collected, done, update_sums, update_maxima, sec
     row["tokens_per_second_scoring"] = (total["update_tokens"] / ranks / max(seconds["scoring"], 1e-9)
                                         if scored and args.algo != "dpo" else None)  # step 3 ran
     return row
+
+
+class Watch:
+    """Warnings that save a silent run (the failure users report most: a run that learns nothing
+    while its numbers are logged all the same). Each is said once, on the console and in that
+    step's metrics.jsonl row ("warnings"), when its condition holds STEPS steps in a row."""
+    STEPS = 3
+
+    def __init__(self, args, expects):
+        self.args, self.expects = args, expects  # expects: the answer the reward reads, in words
+        self.streaks, self.said = {}, set()
+
+    def check(self, row, examples):
+        """The warnings this step's row (and its sample lines) completes. -> list of str"""
+        holds = {"truncated": row["truncated"] > 0.5, "no_signal": row["groups_with_signal"] == 0,
+                 "no_answer": row.get("reward_extracted", 1.0) == 0 and not self.args.reward}
+        out = []
+        for name, now in holds.items():
+            self.streaks[name] = self.streaks.get(name, 0) + 1 if now else 0
+            if self.streaks[name] >= self.STEPS and name not in self.said:
+                self.said.add(name)
+                out.append(self.text(name, row, examples))
+        return out
+
+    def text(self, name, row, examples):
+        args, steps = self.args, f"for {self.STEPS} steps in a row"
+        if name == "truncated":
+            return (f"more than half the replies ran out of --max-new-tokens {args.max_new_tokens} "
+                    f"{steps} (median length {row['response_length_median']:g}): a cut reply has no "
+                    "answer to reward; raise --max-new-tokens")
+        if name == "no_signal":
+            cold = f"the temperature ({args.temperature:g}) is too low for replies to differ; " \
+                if args.temperature < 1 else ""
+            return (f"no group had a learning signal {steps} (every reply to a prompt scored the "
+                    f"same, so every advantage is 0). Likely causes: the template ({args.template}) "
+                    f"is not the model's chat format; the replies do not give {self.expects}; "
+                    f"{cold}the task is too hard or too easy for the model")
+        one = next((line["completion"] for line in examples), None)
+        return (f"no reply gave an answer the reward can read {steps}: it wants {self.expects}"
+                + (f"; one reply: {one[:200]!r}" if one is not None else ""))

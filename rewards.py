@@ -10,17 +10,14 @@ when it ran long. `math_reward` adds this codebase's optional terms and returns
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 import re
 import sys
 
-from verify import ANSWER_LINE_RE, MAX_SCAN_CHARS, answer_tag, clean_text, is_correct
+from verify import ANSWER_LINE_RE, MAX_SCAN_CHARS, answer_tag, answers_equal, clean_text, extract_answer
 
 __all__ = ["overlong_penalty", "perplexity_penalty", "shaping", "format_reward", "xml_terms",
-           "math_reward", "FORMAT_STYLES", "load_reward_function", "checked_reward_function", "user_score",
-           "task_reward"]
+           "math_reward", "FORMAT_STYLES", "user_score", "task_reward", "judged_right"]
 
 # ---------------------------------------------------------------------------------------------
 # Shaping terms
@@ -219,7 +216,8 @@ def math_reward(
     """Reward of one completion and its components; the reward is the sum of the terms
     correct + format + integer + xml_count + overlong + ppl.
 
-    components: "correct" (`correct` or `wrong`, DAPO eq. 7), "accuracy" (1.0 / 0.0),
+    components: "correct" (`correct` or `wrong`, DAPO eq. 7), "accuracy" (1.0 / 0.0), "extracted"
+    (1.0 if the reply gave an answer verify.extract_answer can read),
     "format" (format_weight * format_ok), "format_ok" (1.0 / 0.0), with format_style "xml" also
     "integer" (format_weight * an integer answer) and "xml_count" (see `xml_terms`), "overlong"
     (DAPO eq. 13), "ppl" (this project's perplexity penalty). Terms that are off are 0.0. The XML
@@ -236,10 +234,11 @@ def math_reward(
     shaped = shaping(length=length, max_len=max_len, cache_len=cache_len, mean_nll=mean_nll,
                      ppl_threshold=ppl_threshold, ppl_window=ppl_window)
 
-    ok = is_correct(response, truth) if score is None else score[1]
+    answer = extract_answer(response)  # (never raises)
+    ok = answers_equal(answer, truth) if score is None else score[1]
     # DAPO eq. 7: R(y_hat, y) = 1 if is_equivalent(y_hat, y) else -1
     rule = (r_correct if ok else r_wrong) if score is None else _finite("score", score[0])
-    c = {"correct": rule, "accuracy": 1.0 if ok else 0.0,
+    c = {"correct": rule, "accuracy": 1.0 if ok else 0.0, "extracted": float(answer is not None),
          "format": 0.0, "format_ok": 0.0, "integer": 0.0, "xml_count": 0.0, "overlong": 0.0,
          "ppl": 0.0}
     if style is not None:
@@ -254,71 +253,33 @@ def math_reward(
 
 
 # ---------------------------------------------------------------------------------------------
-# Your own reward: --reward FILE.py:FUNCTION or MODULE:FUNCTION
-
-def load_reward_function(spec: str):
-    """The function `spec` names: FILE.py:FUNCTION (a path) or MODULE:FUNCTION (importable).
-    ValueError with one line naming what is wrong, the module's own error included."""
-    target, colon, name = str(spec).rpartition(":")
-    if not colon or not target or not name.isidentifier():
-        raise ValueError(f"--reward {spec!r}: expected FILE.py:FUNCTION or MODULE:FUNCTION")
-    try:
-        if target.endswith(".py"):
-            if not os.path.isfile(target):
-                raise ValueError(f"--reward {spec}: {target}: no such file")
-            found = importlib.util.spec_from_file_location(f"reward_{abs(hash(target))}", target)
-            module = importlib.util.module_from_spec(found)
-            found.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-    except ValueError:
-        raise
-    except BaseException as error:  # a syntax error or a raise at import: its own words, one line
-        raise ValueError(f"--reward {spec}: {target} failed to load: {type(error).__name__}: "
-                         f"{error}") from None
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise ValueError(f"--reward {spec}: {target} has no function {name!r}")
-    return function
-
+# Your own reward: --reward FILE.py:FUNCTION (launch.load_reward_function loads it)
 
 # The parts this file's terms log; a reward function's own parts take other names.
-RULE_PARTS = ("correct", "accuracy", "format", "format_ok", "integer", "xml_count", "overlong", "ppl",
-              "efficiency", "error")
+RULE_PARTS = ("correct", "accuracy", "extracted", "format", "format_ok", "integer", "xml_count",
+              "overlong", "ppl", "efficiency", "error")
 
 
-def checked_reward_function(spec: str, record: dict, source: str, right_from: float = 1.0):
-    """--reward's function, loaded and called once on `record` (the first data row) with the
-    reply "Answer: <its answer>", before any weight loads: a broken one is one line naming the
-    function, the row and the exception. -> (function, the names of its parts)"""
-    function = load_reward_function(spec)
-    where = f"--reward {spec}: on row {record.get('row', 1)} of {source}"
-    try:
-        _, _, parts = user_score(function, f"Answer: {record.get('answer', '')}",
-                                 record.get("fields", record), right_from)
-    except Exception as error:
-        raise ValueError(f"{where}: {type(error).__name__}: {error}") from None
-    clash = sorted(set(parts) & set(RULE_PARTS))
-    if clash:
-        raise ValueError(f"{where}: parts {clash} share names with the rule reward's terms "
-                         f"({', '.join(RULE_PARTS)}): rename them")
-    return function, sorted(parts)
-
-
-def user_score(function, response: str, row: dict, right_from: float = 1.0):
-    """`function(response, row)` checked: a float, or (float, {name: float}) whose parts are
-    logged as reward_<name>. -> (value, right, parts): right is a part named "accuracy" > 0 when
-    there is one, else value >= right_from (--correct-reward). ValueError for a return that is
-    not that, or not finite; the function's own exceptions pass through."""
+def user_score(function, response: str, row: dict, correct: float = 1.0, wrong: float = -1.0):
+    """`function(response, row)` checked: a float, or True / False (right or wrong: `correct` or
+    `wrong`, as the rule reward scores), alone or with {name: float} parts logged as
+    reward_<name>. -> (value, right, parts): right is the verdict, else a part named "accuracy"
+    > 0, else value >= `correct`. ValueError for a return that is not that, or not finite; the
+    function's own exceptions pass through."""
     out = function(response, row)
     value, parts = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"returned {out!r}: expected a finite number, or (number, {{name: number}})")
+    if isinstance(value, bool):
+        value, verdict = (correct if value else wrong), value
+    elif isinstance(value, (int, float)) and math.isfinite(value):
+        verdict = None
+    else:
+        raise ValueError(f"returned {out!r}: expected a finite number or a bool, alone or with "
+                         "{name: number}")
     if not isinstance(parts, dict) or not all(
-            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-            and math.isfinite(v) for k, v in parts.items()):
+            isinstance(k, str) and isinstance(v, (int, float)) and math.isfinite(v) for k, v in parts.items()):
         raise ValueError(f"returned parts {parts!r}: expected {{name: finite number}}")
-    right = parts["accuracy"] > 0 if "accuracy" in parts else value >= right_from
+    right = verdict if verdict is not None else parts["accuracy"] > 0 if "accuracy" in parts \
+        else value >= correct
     return float(value), right, {k: float(v) for k, v in parts.items() if k != "accuracy"}
 
 
@@ -332,7 +293,7 @@ def task_reward(response: str, record: dict, *, function=None, **options):
         return math_reward(response, record["answer"], **options)
     try:
         value, right, named = user_score(function, response, record.get("fields", record),
-                                         options.get("correct", 1.0))
+                                         options.get("correct", 1.0), options.get("wrong", -1.0))
         named["error"] = 0.0
     except Exception as error:  # the user's code: any exception, as the one line it is
         _report_once(function, error)
@@ -341,11 +302,11 @@ def task_reward(response: str, record: dict, *, function=None, **options):
     return total, {**parts, **named}
 
 
-def judged_right(function, response: str, record: dict, right_from: float = 1.0) -> bool:
+def judged_right(function, response: str, record: dict, correct: float = 1.0) -> bool:
     """Held-out accuracy under a reward function: whether it counts the reply as right (one that
     raises or returns nonsense: not right)."""
     try:
-        return user_score(function, response, record.get("fields", record), right_from)[1]
+        return user_score(function, response, record.get("fields", record), correct)[1]
     except Exception:
         return False
 

@@ -265,7 +265,7 @@ def collect_rollouts(run, progress):
         sampled.append(batch)
         if not args.dynamic_sampling:
             return Collected(batch, sampled, surplus=None, asked=0)
-        informative = dapo.keep_groups(batch.correct, batch.group_sizes).tolist()  # eq. 11
+        informative = dapo.keep_groups(metrics.scores(batch), batch.group_sizes).tolist()  # eq. 11
         kept.append(batch.select(g for g, keep in enumerate(informative) if keep))
         last_round = round_index + 1 == rounds or have + sum(informative) >= want
         requests = [] if last_round or not args.adversarial else harder_variants(run, batch)
@@ -590,6 +590,7 @@ def train_steps(run, progress, stop):
                dynamic_ncols=True)
     limit = args.time_limit * 60 or math.inf  # seconds of training; 0: none
     last_save, over_time, stopping = time.monotonic(), progress.train_seconds > limit, False
+    watch = metrics.Watch(args, launch.answer_format(run))  # the warnings of a silent run
     while progress.step < args.steps and not over_time and not stopping:
         progress, row, examples = train_step(run, progress)
         # Every rank must stop at the same step (or the others hang in the next collective), and
@@ -604,7 +605,7 @@ def train_steps(run, progress, stop):
             launch.print_seconds(progress.step, row)
             continue
         if writes:  # metrics.jsonl, samples.jsonl, the bar
-            launch.log_step(run, progress, row, examples, bar)
+            launch.log_step(run, progress, row, examples, bar, watch)
         if run.heldout and args.eval_every and progress.step % args.eval_every == 0:
             launch.evaluate_and_log(run, progress)  # every rank: its share of the problems
         if flags["save_due"] or over_time or stopping or progress.step == args.steps:

@@ -27,7 +27,7 @@ from fractions import Fraction
 from itertools import accumulate, repeat
 
 __all__ = [
-    "extract_answer", "normalize_answer", "answers_equal", "is_correct",
+    "extract_answer", "normalize_answer", "answers_equal", "is_correct", "arithmetic_value",
 ]
 
 MAX_SCAN_CHARS = 8192  # tail of a completion read for extraction (a few thousand tokens)
@@ -1247,3 +1247,38 @@ def is_correct(response: str, truth) -> bool:
         return answers_equal(extract_answer(response), truth)
     except Exception:
         return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Arithmetic alone: a Countdown answer (countdown.py)
+
+_ARITHMETIC_CHARS = re.compile(r"[0-9.\s+\-*/()]*")
+_JUXTAPOSED = re.compile(r"[0-9.]\s+[0-9.]|[0-9.)]\s*\(|\)\s*[0-9.]")  # 12 34, 2(3), (1)(2)
+
+
+def arithmetic_value(text: str):
+    """An expression of numbers with + - * / and parentheses, read by our own parser (never
+    eval): (its exact value, the numbers it uses in order), or None for anything else (letters,
+    powers, a product written without *, a division by 0, over this file's size limits)."""
+    try:
+        text = clean_text(str(text)).replace("\\times", "*").replace("\\cdot", "*").strip()
+        if not text or len(text) > MAX_PARSE_CHARS or not _ARITHMETIC_CHARS.fullmatch(text) \
+                or _JUXTAPOSED.search(text):
+            return None
+        numbers = []
+
+        def value(node):
+            kind = node[0]
+            if kind == "n":
+                numbers.append(node[1])
+                return node[1]
+            if kind == "neg":
+                return -value(node[1])
+            if kind in ("+", "*", "/"):
+                a, b = value(node[1]), value(node[2])
+                return a + b if kind == "+" else a * b if kind == "*" else a / b  # b = 0: raises
+            raise _Fail
+
+        return value(_Parser(text).answer()), numbers
+    except Exception:  # _Fail, ZeroDivisionError, RecursionError: not an arithmetic answer
+        return None

@@ -427,3 +427,30 @@ def test_a_problems_samples_do_not_depend_on_the_others_evaluated(tiny_ckpt):
     _, every = evaluation.evaluate(model, tokenizer, records, **kwargs)
     _, odd = evaluation.evaluate(model, tokenizer, records[1::2], ids=[1, 3, 5], **kwargs)
     assert [row["responses"] for row in odd] == [row["responses"] for row in every[1::2]]
+
+
+def test_a_judge_decides_in_place_of_the_answer_checker(tiny_ckpt, tmp_path, capsys):
+    """evaluate(judge=...): the reply's verdict and the vote's come from the judge; eval.py builds
+    one from --reward (checked on the first record, a broken one a usage error) or Countdown's."""
+    import countdown
+    import data
+    import checkpoints as model_lib
+    model, tokenizer = model_lib.load_model(tiny_ckpt("llama"), dtype=torch.float32, device="cpu")
+    records = data.load_records("arithmetic", split="test", limit=3)
+    _, rows = evaluation.evaluate(model, tokenizer, records, max_new_tokens=4, template="none",
+                                  progress=False, judge=lambda reply, record: record is records[1])
+    assert [row["correct"] for row in rows] == [[False], [True], [False]]
+    # the vote: the judge's verdict on the reply that gave the voted answer (none voted: False)
+    assert [row["voted_correct"] for row in rows] == [False, rows[1]["extracted"][0] is not None, False]
+    parser, args = ev.parse_args(["--data", "countdown", "--limit", "5"])
+    held = ev.load_eval_records(parser, args)
+    assert len(held) == 5 and all(countdown.is_heldout(r["numbers"], r["target"]) for r in held)
+    judge = ev.reward_judge(parser, args, held)
+    assert judge("Answer: " + "+".join(map(str, held[0]["numbers"])), held[0]) == (
+        sum(held[0]["numbers"]) == held[0]["target"])
+    broken = tmp_path / "broken.py"
+    broken.write_text("def reward(reply, row):\n    return row['nope']\n")
+    parser, args = ev.parse_args(["--data", "arithmetic", "--reward", f"{broken}:reward"])
+    with pytest.raises(SystemExit):
+        ev.reward_judge(parser, args, records)
+    assert "KeyError" in capsys.readouterr().err

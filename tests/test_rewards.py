@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import launch  # noqa: E402
 import rewards  # noqa: E402
 import verify  # noqa: E402
 from rewards import (  # noqa: E402
@@ -450,13 +451,14 @@ def test_format_unknown_style():
 # ---------------------------------------------------------------------------------------------
 # math_reward
 
-KEYS = {"correct", "accuracy", "format", "format_ok", "integer", "xml_count", "overlong", "ppl"}
+KEYS = {"correct", "accuracy", "extracted", "format", "format_ok", "integer", "xml_count", "overlong", "ppl"}
 
 
 def test_math_reward_plain():
     r, c = math_reward("Answer: 5", "5")
-    assert r == 1.0 and c == {"correct": 1.0, "accuracy": 1.0, "format": 0.0, "format_ok": 0.0,
-                              "integer": 0.0, "xml_count": 0.0, "overlong": 0.0, "ppl": 0.0}
+    assert r == 1.0 and c == {"correct": 1.0, "accuracy": 1.0, "extracted": 1.0, "format": 0.0,
+                              "format_ok": 0.0, "integer": 0.0, "xml_count": 0.0, "overlong": 0.0, "ppl": 0.0}
+    assert math_reward("no idea", "5")[1]["extracted"] == 0.0  # (the warnings of a silent run read it)
     r, c = math_reward("Answer: 6", "5")
     assert r == -1.0 and c["correct"] == -1.0 and c["accuracy"] == 0.0  # DAPO eq. 7
     r, c = math_reward("Answer: 6", "5", correct=1.0, wrong=0.0)
@@ -521,7 +523,7 @@ def test_source_never_evaluates_text(module):
         elif isinstance(n, ast.ImportFrom):
             imported.add(n.module.split(".")[0])
     assert imported <= {"__future__", "cmath", "math", "random", "re", "fractions", "decimal", "itertools",
-                        "unicodedata", "verify"}
+                        "unicodedata", "sys", "verify"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -730,7 +732,7 @@ def _reward_file(tmp_path, body, name="mine.py"):
 
 
 def test_the_worked_example_reads_the_rows_own_fields():
-    function = rewards.load_reward_function(f"{EXAMPLE}:reward")
+    function = launch.load_reward_function(f"{EXAMPLE}:reward")
     row = {"prompt": "Boiling point of water in K?", "answer": "373.15", "tolerance": 0.5}
     assert function("About 373.4 K.", row) == (1.0, {"answered": 1.0})
     assert function("373.7", row) == (0.0, {"answered": 1.0})
@@ -739,20 +741,20 @@ def test_the_worked_example_reads_the_rows_own_fields():
 
 
 def test_loading_a_reward_function_says_what_is_wrong(tmp_path):
-    assert rewards.load_reward_function("os.path:join") is __import__("os").path.join  # MODULE:FUNCTION
+    assert launch.load_reward_function("os.path:join") is __import__("os").path.join  # MODULE:FUNCTION
     broken = _reward_file(tmp_path, "x = 1 / 0\n", "broken.py")
     empty = _reward_file(tmp_path, "def other(reply, row):\n    return 0.0\n", "empty.py")
     for spec, said in [("no_colon", "FILE.py:FUNCTION"), (f"{tmp_path}/missing.py:f", "no such file"),
                        (f"{broken}:reward", "ZeroDivisionError"), (f"{empty}:reward", "no function 'reward'"),
                        ("not_a_module_here:f", "ModuleNotFoundError")]:
         with pytest.raises(ValueError, match=re.escape(said)):
-            rewards.load_reward_function(spec)
+            launch.load_reward_function(spec)
 
 
 @pytest.mark.parametrize("body,said", [
     ("def reward(reply, row):\n    return row['missing']\n", "KeyError"),
     ("def reward(reply, row):\n    return float('nan')\n", "expected a finite number"),
-    ("def reward(reply, row):\n    return 'high'\n", "expected a finite number"),
+    ("def reward(reply, row):\n    return 'high'\n", "expected a finite number or a bool"),
     ("def reward(reply, row):\n    return 1.0, {'n': None}\n", "expected {name: finite number}"),
     ("def reward(reply, row):\n    return 1.0, {'format': 1.0}\n", "share names"),
 ])
@@ -760,7 +762,7 @@ def test_a_broken_reward_function_is_one_line_at_load(tmp_path, body, said):
     spec = _reward_file(tmp_path, body) + ":reward"
     record = {"prompt": "p", "answer": "4", "row": 7, "fields": {"prompt": "p", "answer": 4}}
     with pytest.raises(ValueError) as caught:
-        rewards.checked_reward_function(spec, record, "data.jsonl")
+        launch.checked_reward_function(spec, record, "data.jsonl")
     message = str(caught.value)
     assert said in message and "row 7 of data.jsonl" in message and "\n" not in message
 
@@ -779,6 +781,9 @@ def test_a_reward_function_takes_the_rule_rewards_place():
     total, parts = rewards.task_reward("all", record, function=graded, correct=1.0, wrong=-1.0)
     assert total == 2.0 and parts["accuracy"] == 1.0
     assert rewards.user_score(lambda reply, row: (0.2, {"accuracy": 1.0}), "", {}) == (0.2, True, {})
+    # a verdict: scored as the rule reward scores right and wrong
+    assert rewards.user_score(lambda reply, row: (False, {"tried": 1.0}), "", {}, 2.0, 0.0) == (0.0, False, {"tried": 1.0})
+    assert rewards.task_reward("x", record, function=lambda reply, row: True, correct=2.0, wrong=0.0)[0] == 2.0
     assert rewards.judged_right(graded, "all", record) and not rewards.judged_right(graded, "half", record)
 
 

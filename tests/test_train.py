@@ -23,14 +23,15 @@ DIGITS = [str(d) for d in range(10)]
 WORDS = ["What", "is", "+", "?", "Question:", "Answer:", "the", "sum"]
 
 
-def digit_checkpoint(directory, seed=0, context=64, moe=False):
+def digit_checkpoint(directory, seed=0, context=64, moe=False, words=None):
     """A random 2-layer Llama (moe: Qwen3-MoE, 4 experts, top-2) whose word-level vocabulary
-    has the digits, so that a sampled answer is sometimes right and groups carry signal."""
+    has the digits, so that a sampled answer is sometimes right and groups carry signal
+    (`words`: another vocabulary)."""
     import tokenizers
     from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
     special = ["<unk>", "<pad>", "<s>", "</s>"]
-    vocab = {w: i for i, w in enumerate(special + DIGITS + WORDS)}
+    vocab = {w: i for i, w in enumerate(special + (words or DIGITS + WORDS))}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
@@ -1025,6 +1026,58 @@ def test_your_own_reward_trains_and_its_failures_are_counted(tiny, tmp_path):
         assert row["reward_error"] > 0.5 and row["accuracy"] == pytest.approx(1 - row["reward_error"])
         assert row["reward_correct"] == pytest.approx(row["accuracy"] - row["reward_error"])  # +1 / -1
         assert "failed on a reply" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_silent_run_is_warned_once_of_each_cause(tiny, tmp_path):
+    """A model with no digit in its vocabulary, 2-token replies: most are cut, none gives an
+    answer, no group has a signal. After 3 steps each warning comes once (console and the row),
+    never again."""
+    _, data_file = tiny
+    model = digit_checkpoint(tmp_path / "words", words=["What", "is", "the", "sum", "of", "it"])
+    out = tmp_path / "run"
+    proc = run_train(["--model", model, "--data", data_file, "--steps", "4", "--out", str(out)]
+                     + flags(max_new_tokens="2"))
+    rows = metrics(out)
+    assert [len(r.get("warnings", [])) for r in rows] == [0, 0, 3, 0]
+    truncated, no_signal, no_answer = rows[2]["warnings"]
+    assert "--max-new-tokens 2" in truncated and "median length 2" in truncated
+    assert "no group had a learning signal" in no_signal and "template (dapo)" in no_signal
+    assert "no reply gave an answer" in no_answer and '"Answer: X"' in no_answer
+    assert proc.stderr.count("warning: ") == 3
+
+
+def test_the_warnings_need_their_cause_three_steps_in_a_row():
+    import types
+    import metrics as step_metrics
+    args = types.SimpleNamespace(reward="", max_new_tokens=64, template="none", temperature=1.0)
+    watch = step_metrics.Watch(args, "an answer")
+    quiet = {"truncated": 0.1, "groups_with_signal": 3, "reward_extracted": 0.9, "response_length_median": 9}
+    cut = {**quiet, "truncated": 0.6, "response_length_median": 64}
+    said = [watch.check(row, []) for row in (cut, cut, quiet, cut, cut, cut, cut)]
+    assert [len(s) for s in said] == [0, 0, 0, 0, 0, 1, 0]  # 3 in a row, then never again
+    assert "median length 64" in said[5][0]
+    examples = [{"completion": "I do not know"}]
+    mute = step_metrics.Watch(args, "an answer")
+    said = [mute.check({**quiet, "reward_extracted": 0.0}, examples) for _ in range(3)]
+    assert said[:2] == [[], []] and "it wants an answer; one reply: 'I do not know'" in said[2][0]
+    mine = step_metrics.Watch(types.SimpleNamespace(**{**vars(args), "reward": "f.py:f"}), "f")
+    assert not any(mine.check({**quiet, "reward_extracted": 0.0}, examples) for _ in range(4))
+
+
+def test_no_warning_on_the_default_runs_logged(tmp_path):
+    """The default preset's committed CPU runs (assets/grpo-vs-dpo-cpu, 3 seeds), through the
+    watch: not one warning (their logs predate two of its fields: kept groups have a signal)."""
+    import types
+    import metrics as step_metrics
+    for seed in range(3):
+        folder = ROOT / "assets" / "grpo-vs-dpo-cpu" / f"dapo-s{seed}"
+        args = types.SimpleNamespace(**json.loads((folder / "config.json").read_text()))
+        watch = step_metrics.Watch(args, "an answer")
+        for line in (folder / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            assert watch.check({"groups_with_signal": row["groups_kept"], "response_length_median": 0,
+                                **row}, []) == [], (seed, row["step"])
 
 
 @pytest.mark.slow
