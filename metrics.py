@@ -25,8 +25,9 @@ def reward_terms(run):
 
 def scores(batch):
     """Each row's task score, before any shaping term: what dynamic sampling compares within a
-    group (eq. 11: the rule reward's +1 / -1 is its correctness; a --reward function's value)."""
-    return [parts["correct"] for parts in batch.reward_parts]
+    group (eq. 11: the rule reward's +1 / -1 is its correctness; a --reward function's value;
+    a row without the part, its correctness)."""
+    return [parts.get("correct", float(right)) for parts, right in zip(batch.reward_parts, batch.correct)]
 
 
 def update_means(args):
