@@ -20,6 +20,7 @@ import losses
 import objectives
 import rewards
 import runs
+import tools
 import tracking
 
 # The offline default: the `dapo` preset scaled to a 2-core CPU and a 135M model. What differs from
@@ -169,6 +170,10 @@ def sampling_flags(g):
                    help="more samples for prompts near 50%% accuracy, same total")
 
 def reward_flags(g):
+    g.add_argument("--tools", default="", metavar="NAMES",
+                   help="tools the model may call in an episode, comma-separated: calculator "
+                        "(<calc>...</calc>), python (<python>...</python>, sandboxed); their "
+                        "output is never trained on (tools.py)")
     g.add_argument("--reward", default="", metavar="FILE.py:FUNCTION",
                    help="your own reward in place of the rule reward: function(reply, row) -> "
                         "float or (float, {part: float}), row the data row with all its fields; "
@@ -436,6 +441,7 @@ def refuse_combinations(args, parser):
         parser.error("--tis-normalize divides the rollout correction's weights by their mean: it "
                      "needs --tis-cap C > 0")
     check_rejection(args, parser)
+    check_tools(args, parser)
     if args.tis_floor and args.tis_mode != "mask":
         parser.error(f"--tis-floor {args.tis_floor:g} bounds the kept ratios of --tis-mode mask; "
                      "--tis-mode truncate has no floor")
@@ -585,6 +591,25 @@ def objective_settings(args):
         return {"kl_coef": args.kl_cov_coef}
     clip = {"eps_low": args.eps_low, "eps_high": args.eps_high}
     return {**clip, "clip_c": args.clip_c} if args.objective == "clip" else clip
+
+
+def tool_names(args):
+    """--tools as a tuple of names (tools.TAGS' keys)."""
+    return tuple(name.strip() for name in str(args.tools or "").split(",") if name.strip())
+
+
+def check_tools(args, parser):
+    """--tools: names tools.py knows, a sandbox where python is asked, a task of one turn."""
+    names = tool_names(args)
+    unknown = [name for name in names if name not in tools.TAGS]
+    if unknown:
+        parser.error(f"--tools {args.tools}: unknown {', '.join(unknown)}; expected "
+                     f"{', '.join(tools.TAGS)}")
+    if "python" in names and not tools.can_sandbox():
+        parser.error("--tools python: this platform has no resource limits (Python's resource "
+                     "module) to sandbox it; use --tools calculator")
+    if names and str(args.data).startswith("memory"):
+        parser.error("--tools: the memory task's turns are pages; tools act in one-turn tasks")
 
 
 def sampling_options(args, stop_ids):

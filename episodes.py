@@ -30,6 +30,7 @@ import dapo
 import data
 import rewards
 from rollout import Completion, generate
+import tools as tool_calls
 
 # What each question asks (MemoryTask's `ask`): the total over every page, or the first page's
 # sale (recall: the memory must be written at page 1 and kept past the pages after it).
@@ -63,12 +64,18 @@ def in_turns(record):
     return "pages" in record
 
 
-def next_turn(record, turn, last_text=None):
+def next_turn(record, turn, last_text=None, tools=()):
     """The record whose prompt the model sees at turn `turn` (0-based) of `record`'s episode, or
-    None when the episode has ended: a one-turn record after its turn; a memory record after its
-    last page, or as soon as a turn writes an "Answer:" line (it answered early)."""
+    None when the episode has ended: a one-turn record after its turn, unless that turn ended in
+    a call of one of `tools` (tools.py): then the same record again, the transcript so far and
+    the tool's output opening the reply (at most tools.MAX_CALLS calls); a memory record after
+    its last page, or as soon as a turn writes an "Answer:" line (it answered early)."""
     if not in_turns(record):
-        return record if turn == 0 else None
+        if turn == 0 or not tools:
+            return with_tools(record, tools) if turn == 0 else None
+        call = tool_calls.last_call(last_text, tools) if turn <= tool_calls.MAX_CALLS else None
+        return None if call is None else {**with_tools(record, tools), "reply_prefix":
+                                          f"{last_text}\n<result>{tool_calls.run_tool(*call)}</result>\n"}
     if turn == len(record["pages"]) or (turn > 0 and ANSWER_LINE.search(last_text)):
         return None
     memory = (read_memory(last_text) or "") if turn > 0 and record["memory"] else None
@@ -76,6 +83,18 @@ def next_turn(record, turn, last_text=None):
     return {"id": f"{record['id']}:turn{turn}", "answer": record["answer"],
             "prompt": page_prompt(record, turn, memory),
             "reply_prefix": "Answer:" if last else "Memory:"}
+
+
+def with_tools(record, tools):
+    """`record` with a word on how to call each of `tools` after its question."""
+    if not tools:
+        return record
+    note = "\n\n" + " ".join(tool_calls.INSTRUCTIONS[name] for name in tools)
+    if "messages" not in record:
+        return {**record, "prompt": record["prompt"] + note}
+    messages = [dict(m) for m in record["messages"]]
+    [m for m in messages if m["role"] == "user"][-1]["content"] += note
+    return {**record, "messages": messages}
 
 
 @dataclass(frozen=True)
@@ -86,10 +105,11 @@ class Turn:
     text: str                # the completion decoded
 
 
-def play(model, tokenizer, records, num_samples, seeds, *, template, **sampling):
+def play(model, tokenizer, records, num_samples, seeds, *, template, tools=(), **sampling):
     """num_samples[i] episodes of records[i] (prompt-major), turn by turn: one rollout.generate
-    call per turn over the episodes still going (an episode that ends leaves the batch).
-    seeds: an int or one per record; `sampling`: generate's keywords (max_new_tokens is per turn).
+    call per turn over the episodes still going (an episode that ends leaves the batch); with
+    `tools`, a reply is cut after its first call (tools.cut_at_call). seeds: an int or one per
+    record; `sampling`: generate's keywords (max_new_tokens is per turn).
     -> per episode, its list of Turn"""
     counts = [num_samples] * len(records) if isinstance(num_samples, int) else list(num_samples)
     if isinstance(seeds, int):  # as generate reads an int seed
@@ -98,21 +118,25 @@ def play(model, tokenizer, records, num_samples, seeds, *, template, **sampling)
     sample = [k for n in counts for k in range(n)]                 # (N,) which of its G it is
     turns = [[] for _ in owner]
     # Turn 0 shows each record's first prompt to its G episodes: one prefill per record.
-    shown = {i: next_turn(records[r], 0) for i, r in enumerate(owner)}  # what episode i is shown
-    first = [data.format_prompt(next_turn(r, 0), tokenizer, template) for r in records]
+    shown = {i: next_turn(records[r], 0, tools=tools) for i, r in enumerate(owner)}  # episode i's
+    first = [data.format_prompt(next_turn(r, 0, tools=tools), tokenizer, template) for r in records]
     completions = generate(model, first, num_samples=counts, seed=seeds, **sampling)
     turn, going, prompts = 0, list(range(len(owner))), [first[r] for r in owner]
+    context = getattr(getattr(model, "config", None), "max_seq_len", float("inf"))
     while True:
         for i, prompt, completion in zip(going, prompts, completions):
+            completion = tool_calls.cut_at_call(completion, tokenizer, tools) if tools else completion
             text = shown[i].get("reply_prefix", "") + \
                 tokenizer.decode(completion.tokens, skip_special_tokens=True)
             turns[i].append(Turn(prompt, completion, text))
         turn += 1
-        shown = {i: next_turn(records[owner[i]], turn, turns[i][-1].text) for i in going}
-        going = [i for i in going if shown[i] is not None]
+        shown = {i: next_turn(records[owner[i]], turn, turns[i][-1].text, tools) for i in going}
+        prompts = {i: data.format_prompt(shown[i], tokenizer, template) for i in going if shown[i]}
+        # A next turn that would not leave room for its reply ends the episode where it is.
+        going = [i for i in prompts if len(prompts[i]) + sampling.get("max_new_tokens", 256) <= context]
         if not going:
             return turns
-        prompts = [data.format_prompt(shown[i], tokenizer, template) for i in going]
+        prompts = [prompts[i] for i in going]
         # A seed per episode and turn: its samples do not depend on which others still run.
         turn_seeds = [random.Random(f"{seeds[owner[i]]}:{sample[i]}:{turn}").getrandbits(62)
                       for i in going]
@@ -125,7 +149,7 @@ def play_and_reward(model, tokenizer, records, num_samples, seeds, args, stop_id
     perplexity terms (change 4 applies per turn), is the reward of all its turns.
     -> train.Rollouts' fields, a row per turn (episode-major)"""
     played = play(model, tokenizer, records, num_samples, seeds, template=args.template,
-                  **config.sampling_options(args, stop_ids))
+                  tools=config.tool_names(args), **config.sampling_options(args, stop_ids))
     group = [g for g, n in enumerate(num_samples) for _ in range(n)]  # (E,) prompt of each episode
     scored = [rewards.task_reward(turns[-1].text, records[g], function=reward_function,
                                   **config.reward_options(args, turns[-1].completion))

@@ -57,6 +57,7 @@ import time
 import torch
 
 import checkpoints
+import config
 import countdown
 import data
 import episodes
@@ -162,6 +163,8 @@ def build_parser():
     what.add_argument("--limit", type=_int_at_least(1), default=None,
                       help="evaluate the first N problems (default: all; arithmetic and "
                            "countdown: 200, memory: 50)")
+    what.add_argument("--tools", default="", metavar="NAMES",
+                      help="tools the model may call, as train.py --tools: calculator, python")
     what.add_argument("--reward", default="", metavar="FILE.py:FUNCTION",
                       help="judge replies with your own reward function, as train.py --reward "
                            "does: right when it says so (default: the answer checker)")
@@ -300,6 +303,8 @@ def main(argv=None):
     dtype = resolve_dtype(args.dtype, device)
     records = load_eval_records(parser, args)  # first: a bad name or file fails in a second
     judge = reward_judge(parser, args, records)
+    tool_names = config.tool_names(args)
+    config.check_tools(args, parser)
     load_start = time.perf_counter()
     try:
         model, tokenizer = checkpoints.load_model(args.model, dtype=dtype, device=device)
@@ -312,7 +317,7 @@ def main(argv=None):
                      f"the model's context of {model.config.max_seq_len} tokens")
     memory = task_name(args.data) == "memory"
     try:  # every prompt must leave room for the response inside the model's context
-        data.validate_records([episodes.next_turn(r, 0) for r in records], args.data,
+        data.validate_records([episodes.next_turn(r, 0, tools=tool_names) for r in records], args.data,
                               tokenizer=tokenizer, template=template,
                               max_prompt_tokens=model.config.max_seq_len - max_new_tokens)
     except data.DataError as error:
@@ -325,7 +330,8 @@ def main(argv=None):
         summary, results = evaluate(
             model, tokenizer, records, k=args.k, temperature=args.temperature, top_p=args.top_p,
             top_k=args.top_k, max_new_tokens=max_new_tokens, template=template, stop_ids=stop_ids,
-            batch_size=args.batch_size, seed=args.seed, progress=not args.quiet, judge=judge)
+            batch_size=args.batch_size, seed=args.seed, progress=not args.quiet, judge=judge,
+            tools=tool_names)
     except KeyboardInterrupt:  # (results are written whole or not at all: nothing half-written)
         print(f"\neval.py: interrupted (Ctrl-C); {args.out} not written", file=sys.stderr)
         raise SystemExit(130) from None

@@ -113,7 +113,7 @@ def _cut_plain_continuation(text):
 
 def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_k=0,
              max_new_tokens=256, template="dapo", batch_size=None, seed=0, stop_ids=None,
-             compile=None, progress=True, ids=None, judge=None):
+             compile=None, progress=True, ids=None, judge=None, tools=()):
     """Plays k episodes of each record and scores each one's last reply -> (summary dict,
     per-problem list).
 
@@ -128,6 +128,7 @@ def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_
     a problem's samples do not depend on the others beside it, so a rank's share of the records
     gives the rows one process would (train.py evaluates that way, launch.evaluate_and_log).
     judge: judge(reply, record) -> bool in verify.is_correct's place (a run's --reward, a task's own).
+    tools: the tools the model may call (episodes.play).
     """
     _check_settings(records, k, temperature)
     model = getattr(model, "module", model)
@@ -137,7 +138,7 @@ def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_
     batch_size = batch_size or max(1, DEFAULT_ROWS // k)
     ids = list(range(len(records))) if ids is None else list(ids)
     plain = data.is_plain_prompt(tokenizer, template)
-    first_prompts = [data.format_prompt(episodes.next_turn(record, 0), tokenizer, template)
+    first_prompts = [data.format_prompt(episodes.next_turn(record, 0, tools=tools), tokenizer, template)
                      for record in records]
     order = sorted(range(len(records)), key=lambda i: len(first_prompts[i]))  # similar lengths together
     results = [None] * len(records)
@@ -152,7 +153,7 @@ def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_
             indices = order[at:at + batch_size]
             played = episodes.play(model, tokenizer, [records[i] for i in indices], k,
                                    [seed * 1_000_003 + ids[i] for i in indices], template=template,
-                                   **sampling)
+                                   tools=tools, **sampling)
             for j, i in enumerate(indices):  # prompt-major: record j's k episodes at j*k
                 results[i] = _score(records[i], played[j * k:(j + 1) * k], tokenizer, plain, judge)
                 solved += sum(results[i]["correct"])

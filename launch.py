@@ -360,6 +360,11 @@ def load_data(args, tokenizer, context):
         heldout = data.load_records(args.eval_data, split="test", limit=args.eval_limit,
                                     tokenizer=tokenizer, template=args.template,
                                     max_prompt_tokens=max_prompt)
+    tools = config.tool_names(args)
+    for records, limit in [(source, max_train_prompt), (heldout, max_prompt)] if tools else []:
+        if isinstance(records, list):  # the first prompt says how to call each tool: it must fit
+            data.validate_records([episodes.with_tools(r, tools) for r in records], args.data,
+                                  tokenizer, limit, args.template, f"with --tools {args.tools}")
     return source, heldout
 
 
@@ -527,7 +532,8 @@ def evaluate_and_log(run, progress):
     process would give (each problem's samples are seeded by its index). -> the summary"""
     args, started = run.args, time.perf_counter()
     settings = dict(max_new_tokens=args.max_new_tokens, template=args.template, stop_ids=run.stop_ids,
-                    compile=config.compile_choice(args), progress=False, judge=functools.partial(
+                    compile=config.compile_choice(args), progress=False, tools=config.tool_names(args),
+                    judge=functools.partial(
                         rewards.judged_right, run.reward_function, correct=args.correct_reward)
                     if run.reward_function else None)
     mine = list(range(run.rank, len(run.heldout), run.world))

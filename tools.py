@@ -30,10 +30,11 @@ from verify import arithmetic_value
 
 TAGS = {"calculator": "calc", "python": "python"}   # --tools name: the tag a call is written in
 INSTRUCTIONS = {
-    "calculator": "To compute, write <calc>expression</calc> (numbers, + - * / and parentheses); "
-                  "its result follows as <result>...</result>.",
-    "python": "To run Python, write <python>code</python>; what it prints follows as "
-              "<result>...</result>.",
+    "calculator": "You have a calculator: write an expression between <calc> and </calc>, and "
+                  "its result follows. For example <calc>12 * 34</calc> gives <result>408</result>.",
+    "python": "You can run Python: write code between <python> and </python>, and what it "
+              "prints follows. For example <python>print(2 ** 10)</python> gives "
+              "<result>1024</result>.",
 }
 MAX_CALLS = 4            # tool calls in one episode; then the episode ends
 SECONDS = 5              # the sandbox's CPU seconds (and wall seconds, plus one)

@@ -208,7 +208,7 @@ def sample_and_reward(run, records, num_samples, seeds):
     answer (eq. 7) and length (change 4's punishment). A task in turns plays whole episodes
     instead, a row per turn (episodes.py)."""
     args, tokenizer, sampler = run.args, run.tokenizer, run.sampler.eval()
-    if any(episodes.in_turns(record) for record in records):
+    if args.tools or any(episodes.in_turns(record) for record in records):
         return Rollouts(**episodes.play_and_reward(sampler, tokenizer, records, num_samples, seeds,
                                                    args, run.stop_ids, run.reward_function))
     prompts = [data.format_prompt(record, tokenizer, args.template) for record in records]

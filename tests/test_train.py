@@ -1948,3 +1948,21 @@ def test_ctrl_c_during_the_step_0_evaluation_is_one_line_and_the_run_goes_on(tin
     monkeypatch.undo()
     run_train(["--resume", str(out)])
     assert (out / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_run_with_the_calculator(tiny, tmp_path):
+    """--tools calculator: two steps and a held-out evaluation with the tool on (an episode of
+    one turn unless the model calls it: this one's vocabulary cannot write a call)."""
+    _, data_file = tiny
+    model_dir = digit_checkpoint(tmp_path / "model", context=128)  # room for the word on the tool
+    out = tmp_path / "run"
+    run_train(["--model", model_dir, "--data", data_file, "--steps", "2", "--out", str(out),
+               "--tools", "calculator", "--eval-every", "1", "--eval-data", data_file, "--eval-limit", "4"]
+              + BASE)
+    short = run_train(["--model", tiny[0], "--data", data_file, "--steps", "1", "--out", str(tmp_path / "no"),
+                       "--tools", "calculator"] + BASE, check=False)  # a context of 64: no room
+    assert short.returncode != 0 and "with --tools calculator" in short.stderr.strip().splitlines()[-1]
+    rows = metrics(out)
+    assert len(rows) == 2 and all(r["turns_per_episode"] == 1.0 and r["skipped_updates"] == 0 for r in rows)
+    assert json.loads((out / "config.json").read_text())["tools"] == "calculator"

@@ -1,0 +1,130 @@
+"""Tools in an episode (tools.py, episodes.py): the calculator, the Python sandbox and its limits,
+a call cut where it ends, and a scripted model whose tool output reaches the next turn's prompt
+and never the loss.
+
+Run: python -m pytest tests/test_tools.py -q
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import episodes  # noqa: E402
+import tools  # noqa: E402
+from rollout import Completion  # noqa: E402
+
+needs_sandbox = pytest.mark.skipif(not tools.can_sandbox(), reason="no resource limits here")
+
+
+def test_the_calculator_is_our_arithmetic():
+    assert tools.calculator("123 * 456") == "56088"
+    assert tools.calculator("(7 + 1) / 16") == "0.5" and tools.calculator("1 / 3") == "0.333333333333"
+    for bad in ("2 ^ 10", "__import__('os')", "1 / 0", ""):
+        assert tools.calculator(bad).startswith("error: ")
+
+
+@needs_sandbox
+def test_the_sandbox_runs_code_and_refuses_in_words(tmp_path, monkeypatch):
+    """Each refusal and limit comes back as text for the model; nothing escapes its folder."""
+    monkeypatch.setattr(tools, "SECONDS", 1)
+    outside = tmp_path / "outside.txt"
+    assert tools.sandboxed_python("print(sum(range(10)))") == "45"
+    assert tools.sandboxed_python("open('mine.txt', 'w').write('x')\nprint(open('mine.txt').read())") == "x"
+    cases = {
+        "import socket\nsocket.create_connection(('127.0.0.1', 9))": "refuses socket",
+        "import urllib.request\nurllib.request.urlopen('http://example.com')": "refuses socket",
+        f"open({str(outside)!r}, 'w').write('x')": "writes only in its own folder",
+        f"import os\nos.remove({str(tmp_path)!r})": "writes only in its own folder",
+        "import subprocess\nsubprocess.run(['true'])": "refuses subprocess",
+        "import os\nos.system('true')": "refuses os.system",
+        "while True:\n    pass": "stopped by signal",                       # the CPU limit
+        "import time\ntime.sleep(60)": "time limit (1 s) was reached",       # the wall limit
+        "x = bytearray(10 ** 10)": "MemoryError",                            # the memory limit
+        "chunks = []\nwhile True:\n    chunks.append(' ' * 10 ** 7)": "MemoryError",
+        "raise ValueError('mine')": "ValueError: mine",
+    }
+    for code, said in cases.items():
+        out = tools.sandboxed_python(code)
+        assert said in out, (code, out)
+    assert not outside.exists() and tmp_path.exists()
+    long = tools.sandboxed_python("print('a' * 5000)")
+    assert len(long) == tools.OUTPUT_CHARS + len(" ... (cut)")
+
+
+class ScriptedTokenizer:
+    """Characters as token ids, enough for decode."""
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_a_reply_is_cut_right_after_its_call():
+    tok = ScriptedTokenizer()
+    text = "Let me see. <calc>12 * 34</calc> So it is 400.\nAnswer: 400"
+    completion = Completion(0, tok.encode(text), [-0.5] * len(text), "stop")
+    cut = tools.cut_at_call(completion, tok, ("calculator",))
+    assert tok.decode(cut.tokens) == "Let me see. <calc>12 * 34</calc>" and cut.finish_reason == "tool"
+    assert len(cut.logprobs) == len(cut.tokens)
+    plain = Completion(0, tok.encode("Answer: 408"), [-0.5] * 11, "stop")
+    assert tools.cut_at_call(plain, tok, ("calculator",)) is plain
+    assert tools.cut_at_call(completion, tok, ("python",)) is completion  # not its tool
+    assert tools.last_call("a <calc>1+2</calc> b <python>print(3)</python>\n", ("calculator", "python")) \
+        == ("python", "print(3)")
+    assert tools.last_call("<calc>1+2</calc> then more", ("calculator",)) is None
+
+
+def test_a_scripted_model_calls_the_calculator(monkeypatch):
+    """Turn 0 calls the calculator (and would go on guessing: cut); turn 1 is shown the
+    transcript and the result in its prompt, and answers. Each row's tokens are the model's own
+    (what the loss sees), the result is in the next row's prompt only, and the outcome's reward is
+    every turn's."""
+    import types
+    tok = ScriptedTokenizer()
+    replies = iter(["I compute <calc>123 * 456</calc> = 55000 I guess", "\nAnswer: 56088"])
+    seen = []
+
+    def scripted_generate(model, prompts, *, num_samples, seed, **sampling):
+        seen.extend(tok.decode(p) for p in prompts)
+        text = next(replies)
+        return [Completion(0, tok.encode(text), [-0.1] * len(text), "stop")]
+
+    monkeypatch.setattr(episodes, "generate", scripted_generate)
+    monkeypatch.setattr(episodes.data, "format_prompt",
+                        lambda record, tokenizer, template: tok.encode(record["prompt"] + "|" + record.get("reply_prefix", "")))
+    args = types.SimpleNamespace(template="none", tools="calculator", correct_reward=1.0, wrong_reward=-1.0,
+                                 format_reward="none", overlong_penalty=False, ppl_penalty="off",
+                                 efficiency_weight=0.0, routing_replay=False, max_new_tokens=64,
+                                 temperature=1.0, top_p=1.0, compile="off", kv_budget=0, max_rows=0)
+    record = {"prompt": "What is 123 * 456?", "answer": "56088", "id": "p"}
+    rows = episodes.play_and_reward(None, tok, [record], [1], [7], args, stop_ids=[])
+    first, second = [tok.decode(t) for t in rows["tokens"]]
+    assert first == "I compute <calc>123 * 456</calc>" and second == "\nAnswer: 56088"
+    assert "You have a calculator" in seen[0] and "<calc>12 * 34</calc>" in seen[0]  # explained, by example
+    assert seen[1].endswith("I compute <calc>123 * 456</calc>\n<result>56088</result>\n")
+    assert "<result>" in tok.decode(rows["prompts"][1]) and not any("<result>" in t for t in (first, second))
+    assert rows["rewards"] == [1.0, 1.0] and rows["correct"] == [True, True] and rows["turn"] == [0, 1]
+    assert rows["truncated"] == [False, False]
+
+
+@needs_sandbox
+def test_the_python_tool_in_an_episode_answers_a_failure_with_text():
+    out = episodes.next_turn({"prompt": "q", "answer": "1"}, 1, "x <python>import socket\nsocket.socket()</python>",
+                             ("python",))
+    assert out["reply_prefix"].startswith("x <python>") and "refuses socket" in out["reply_prefix"]
+    assert episodes.next_turn({"prompt": "q", "answer": "1"}, tools.MAX_CALLS + 1, "<calc>1</calc>",
+                              ("calculator",)) is None  # the last call allowed is spent
+
+
+def test_tools_flags_are_checked(capsys):
+    import config
+    for argv, said in [(["--tools", "abacus"], "unknown abacus"),
+                       (["--preset", "dapo-memory", "--tools", "calculator"], "one-turn tasks")]:
+        with pytest.raises(SystemExit):
+            config.parse_config(["--model", "x"] + argv)
+        assert said in capsys.readouterr().err
+    assert config.tool_names(config.parse_config(["--tools", "calculator, python"])[0]) == ("calculator", "python")
