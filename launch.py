@@ -213,7 +213,8 @@ def load_reward_function(spec: str):
         if target.endswith(".py"):
             if not os.path.isfile(target):
                 raise ValueError(f"--reward {spec}: {target}: no such file")
-            found = importlib.util.spec_from_file_location(f"reward_{abs(hash(target))}", target)
+            found = importlib.util.spec_from_file_location(
+                "reward_" + os.path.splitext(os.path.basename(target))[0], target)
             module = importlib.util.module_from_spec(found)
             found.loader.exec_module(module)
         else:
@@ -237,7 +238,7 @@ def checked_reward_function(spec: str, record: dict, source: str):
     where = f"--reward {spec}: on row {record.get('row', 1)} of {source}"
     try:
         _, _, parts = rewards.user_score(function, f"Answer: {record.get('answer', '')}",
-                                 record.get("fields", record))
+                                         record.get("fields", record))
     except Exception as error:
         raise ValueError(f"{where}: {type(error).__name__}: {error}") from None
     clash = sorted(set(parts) & set(rewards.RULE_PARTS))
@@ -404,6 +405,11 @@ def answer_format(run):
         return 'an "Answer: <expression>" line on the given numbers (countdown.py)'
     return ('an "Answer: X" line or a \\boxed{X} with the right answer (verify.py)'
             + (f", in the {args.format_reward} format" if args.format_reward != "none" else ""))
+
+
+def logged_rows(run):
+    """metrics.jsonl's rows so far (on a --resume, those up to the checkpoint)."""
+    return runs.read_lines(os.path.join(run.args.out, "metrics.jsonl"))
 
 
 def open_run_directory(run, progress):

@@ -111,13 +111,17 @@ class Watch:
     step's metrics.jsonl row ("warnings"), when its condition holds STEPS steps in a row."""
     STEPS = 3
 
-    def __init__(self, args, expects):
+    def __init__(self, args, expects, history=()):
+        """history: the rows logged before a --resume, replayed in silence, so that a resumed run
+        warns where the run straight through would."""
         self.args, self.expects = args, expects  # expects: the answer the reward reads, in words
         self.streaks, self.said = {}, set()
+        for row in history:
+            self.check(row, [])
 
     def check(self, row, examples):
         """The warnings this step's row (and its sample lines) completes. -> list of str"""
-        holds = {"truncated": row["truncated"] > 0.5, "no_signal": row["groups_with_signal"] == 0,
+        holds = {"truncated": row["truncated"] > 0.5, "no_signal": row.get("groups_with_signal") == 0,
                  "no_answer": row.get("reward_extracted", 1.0) == 0 and not self.args.reward}
         out = []
         for name, now in holds.items():

@@ -590,7 +590,7 @@ def train_steps(run, progress, stop):
                dynamic_ncols=True)
     limit = args.time_limit * 60 or math.inf  # seconds of training; 0: none
     last_save, over_time, stopping = time.monotonic(), progress.train_seconds > limit, False
-    watch = metrics.Watch(args, launch.answer_format(run))  # the warnings of a silent run
+    watch = metrics.Watch(args, launch.answer_format(run), launch.logged_rows(run) if writes else [])
     while progress.step < args.steps and not over_time and not stopping:
         progress, row, examples = train_step(run, progress)
         # Every rank must stop at the same step (or the others hang in the next collective), and
