@@ -126,7 +126,9 @@ def data_flags(g):
                         "memory[:key=value,...] (episodes.py) or a "
                         ".jsonl/.json/.parquet file")
     g.add_argument("--template", default=None, choices=list(data.TEMPLATES),
-                   help="prompt template (default: none for arithmetic and memory, dapo otherwise)")
+                   help="prompt template (default: none, the bare question, for arithmetic, "
+                        "countdown and memory; dapo otherwise; no-system: none without the chat "
+                        "template's default system turn)")
     g.add_argument("--eval-data", default=None,
                    help="held-out data (default: the arithmetic held-out split, or none)")
     g.add_argument("--eval-limit", type=int, default=200, help="held-out problems per evaluation")

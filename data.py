@@ -80,7 +80,7 @@ DAPO_REMINDER = '\n\nRemember to put your answer on its own line after "Answer:"
 BOXED_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 # The system prompt of the XML recipe for GSM8K (rewards.xml_terms grades the format).
 XML_FORMAT = "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"
-TEMPLATES = ("dapo", "boxed", "xml", "plain-question", "none")
+TEMPLATES = ("dapo", "boxed", "xml", "plain-question", "none", "no-system")
 
 # name -> (hub id, config, split or None when the split argument picks it)
 HUB_DATASETS = {
@@ -729,6 +729,8 @@ def format_prompt(record, tokenizer, template="dapo"):
 
     Chat models: [user message] through the tokenizer's chat template with the assistant turn
     opened; records with "messages" use those as they are (the template argument is ignored).
+    Template "no-system": the bare question after an empty system turn, so a chat template's
+    default system prompt (SmolLM2's and Qwen2.5's, ~16-35 tokens) is not in every prompt.
     Tokenizers without a chat template, and template "plain-question":
     "Question: {user message}\\nAnswer:" as plain text (with the tokenizer's own BOS, if any).
     """
@@ -745,8 +747,10 @@ def format_prompt(record, tokenizer, template="dapo"):
                     {"role": "user", "content": record["prompt"]}]
     else:
         messages = [{"role": "user", "content": record["prompt"]}]
+        if template == "no-system":  # an empty system turn: the chat template's default one left out
+            messages = [{"role": "system", "content": ""}] + messages
     if is_plain_prompt(tokenizer, template):
-        question = "\n\n".join(m["content"] for m in messages if m["role"] != "assistant")
+        question = "\n\n".join(m["content"] for m in messages if m["role"] != "assistant" and m["content"])
         text = f"Question: {question}\nAnswer:"
         if record.get("reply_prefix"):  # the reply is written after it
             text = f"Question: {question}\n{record['reply_prefix']}"

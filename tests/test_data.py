@@ -412,6 +412,20 @@ def test_plain_template_without_chat_template(chat_tokenizer):
     assert "<|im_start|>" not in dapo
 
 
+def test_the_no_system_template_leaves_the_default_system_turn_out(chat_tokenizer):
+    """SmolLM2's template writes its own system prompt when none is given; "no-system" gives an
+    empty one: 39 -> 23 tokens for a sum, the user turn and the opened reply unchanged."""
+    record = {"prompt": "What is 12 + 7?", "answer": "19", "id": "a"}
+    bare, short = (format_prompt(record, chat_tokenizer, t) for t in ("none", "no-system"))
+    assert "You are a helpful AI assistant" in chat_tokenizer.decode(bare)
+    assert "You are" not in chat_tokenizer.decode(short) and (len(bare), len(short)) == (39, 23)
+    tail = chat_tokenizer.decode(bare).split("<|im_start|>user")[1]
+    assert chat_tokenizer.decode(short).endswith("<|im_start|>user" + tail)
+    plain = copy.deepcopy(chat_tokenizer)
+    plain.chat_template = None  # no chat template: the plain question, as with "none"
+    assert format_prompt(record, plain, "no-system") == format_prompt(record, plain, "none")
+
+
 # ---------------------------------------------------------------------------------------------
 # Broken files: one line naming the file and the row
 
