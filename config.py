@@ -200,6 +200,31 @@ def reward_flags(g):
     g.add_argument("--efficiency-weight", type=float, default=0.0,
                    help="balanced reasoning: bonus for short correct answers")
 
+def correction_flags(g):
+    """The rollout correction: weights for the sampler-trainer gap, their batch mean, rejection."""
+    g.add_argument("--tis-cap", type=float, default=0.0,
+                   help="rollout correction: weight tokens by min(pi_old / pi_sampler, C) "
+                        "(0 = off; README: the objectives)")
+    g.add_argument("--tis-level", default="token", choices=["token", "sequence"],
+                   help="rollout correction: a ratio per token, or one per sequence (their product)")
+    g.add_argument("--tis-mode", default="truncate", choices=["truncate", "mask"],
+                   help="rollout correction: cut the ratio at C (TIS), or mask tokens whose ratio "
+                        "is outside [--tis-floor, C] (MIS, IcePop)")
+    g.add_argument("--tis-floor", type=float, default=0.0,
+                   help="rollout correction, --tis-mode mask: the lower bound of the kept ratios")
+    g.add_argument("--tis-normalize", action="store_true",
+                   help="rollout correction: divide the weights by their mean over the step's "
+                        "loss tokens (replies, at --tis-level sequence) on all ranks, so that "
+                        "they average 1 (verl's rollout_is_batch_normalize)")
+    g.add_argument("--tis-reject", default="", metavar="RULE",
+                   help="rollout correction by rejection (verl's rollout_rs): take out of the loss "
+                        "the tokens (token_kN) or replies (seq_sum_kN, seq_mean_kN, seq_max_kN) "
+                        "whose divergence k1, k2 or k3 between pi_old and the sampler passes "
+                        "--tis-reject-bound ('' = off)")
+    g.add_argument("--tis-reject-bound", type=float, default=0.0,
+                   help="--tis-reject's bound U: k2, k3 kept while <= U; k1: ratios in [1/U, U]")
+
+
 def algorithm_flags(g):
     g.add_argument("--algo", default="pg", choices=["pg", "dpo"], help="policy gradient or DPO")
     g.add_argument("--adv-estimator", default="grpo", choices=list(dapo.ADVANTAGE_ESTIMATORS),
@@ -224,27 +249,7 @@ def algorithm_flags(g):
                    help="SAPO: the gate's temperature where the advantage is positive")
     g.add_argument("--sapo-tau-neg", type=float, default=1.05,
                    help="SAPO: the gate's temperature where it is not")
-    g.add_argument("--tis-cap", type=float, default=0.0,
-                   help="rollout correction: weight tokens by min(pi_old / pi_sampler, C) "
-                        "(0 = off; README: the objectives)")
-    g.add_argument("--tis-level", default="token", choices=["token", "sequence"],
-                   help="rollout correction: a ratio per token, or one per sequence (their product)")
-    g.add_argument("--tis-mode", default="truncate", choices=["truncate", "mask"],
-                   help="rollout correction: cut the ratio at C (TIS), or mask tokens whose ratio "
-                        "is outside [--tis-floor, C] (MIS, IcePop)")
-    g.add_argument("--tis-floor", type=float, default=0.0,
-                   help="rollout correction, --tis-mode mask: the lower bound of the kept ratios")
-    g.add_argument("--tis-normalize", action="store_true",
-                   help="rollout correction: divide the weights by their mean over the step's "
-                        "loss tokens (replies, at --tis-level sequence) on all ranks, so that "
-                        "they average 1 (verl's rollout_is_batch_normalize)")
-    g.add_argument("--tis-reject", default="", metavar="RULE",
-                   help="rollout correction by rejection (verl's rollout_rs): take out of the loss "
-                        "the tokens (token_kN) or replies (seq_sum_kN, seq_mean_kN, seq_max_kN) "
-                        "whose divergence k1, k2 or k3 between pi_old and the sampler passes "
-                        "--tis-reject-bound ('' = off)")
-    g.add_argument("--tis-reject-bound", type=float, default=0.0,
-                   help="--tis-reject's bound U: k2, k3 kept while <= U; k1: ratios in [1/U, U]")
+    correction_flags(g)
     g.add_argument("--high-entropy-fraction", type=float, default=1.0,
                    help="the 80/20 rule: the policy gradient only on this top fraction of the "
                         "mini-batch's tokens by entropy (1 = every token; the paper: 0.2)")

@@ -23,6 +23,21 @@ def reward_terms(run):
     return REWARD_TERMS + (("error", *run.reward_parts) if run.reward_function else ())
 
 
+def sample_sums(run, done, lengths):
+    """This rank's sums over every round's rollouts: outcomes once per episode, lengths per turn,
+    the memory carried between turns, each reward part."""
+    firsts = done.episode_starts()  # an episode's outcome, once
+    # Turns followed by another turn of their episode: what they wrote is carried as memory.
+    memories = [lengths[i] for i, turn in enumerate(done.turn or []) if i + 1 < len(lengths)
+                and done.turn[i + 1] > 0]
+    return {"samples": len(firsts), "correct": sum(done.correct[i] for i in firsts),
+            "reward": sum(done.rewards[i] for i in firsts), "length": sum(lengths),
+            "turns": len(lengths), "memory_tokens": sum(memories), "memories": len(memories),
+            "truncated": sum(done.truncated),
+            **{f"reward_{name}": sum(done.reward_parts[i].get(name, 0.0) for i in firsts)
+               for name in reward_terms(run)}}
+
+
 def scores(batch):
     """Each row's task score, before any shaping term: what dynamic sampling compares within a
     group (eq. 11: the rule reward's +1 / -1 is its correctness; a --reward function's value;
@@ -42,21 +57,13 @@ def step_metrics(run, progress, collected, done, update_sums, update_maxima, sec
     round's rollouts together. -> the log row"""
     args, (kept, sampled, surplus, asked) = run.args, collected
     lengths = [len(t) for t in done.tokens]  # (N,) per turn
-    firsts = done.episode_starts()           # an episode's outcome, once
-    # Turns followed by another turn of their episode: what they wrote is carried as memory.
-    memories = [lengths[i] for i, turn in enumerate(done.turn or []) if i + 1 < len(lengths)
-                and done.turn[i + 1] > 0]
-    sums = {"samples": len(firsts), "correct": sum(done.correct[i] for i in firsts),
-            "reward": sum(done.rewards[i] for i in firsts), "length": sum(lengths),
-            "turns": len(lengths), "memory_tokens": sum(memories), "memories": len(memories),
-            "truncated": sum(done.truncated), "ranks": 1, "adversarial_prompts": asked,
+    sums = {**sample_sums(run, done, lengths), "ranks": 1, "adversarial_prompts": asked,
             "groups_sampled": sum(b.num_groups for b in sampled), "groups_kept": kept.num_groups,
             "groups_missing": args.prompts_per_step // run.world - kept.num_groups,
             "groups_carried": surplus.num_groups if surplus else 0,
             "groups_with_signal": int(dapo.keep_groups(scores(kept), kept.group_sizes).sum()),
             "update_tokens": sum(len(p) + len(t) for p, t in zip(kept.prompts, kept.tokens)),
-            **{f"reward_{name}": sum(done.reward_parts[i].get(name, 0.0) for i in firsts)
-               for name in reward_terms(run)}, **update_sums}
+            **update_sums}
     # The largest context of a turn, prompt and completion: what a turn's budget must hold.
     context = max((len(p) + len(t) for p, t in zip(done.prompts, done.tokens)), default=0)
     total = reduce_metrics(sums, {"rounds": len(sampled), "context_max": context, **update_maxima})
