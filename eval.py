@@ -335,6 +335,13 @@ def main(argv=None):
     except KeyboardInterrupt:  # (results are written whole or not at all: nothing half-written)
         print(f"\neval.py: interrupted (Ctrl-C); {args.out} not written", file=sys.stderr)
         raise SystemExit(130) from None
+    return report(args, summary, results, dtype, device, load_seconds)
+
+
+def report(args, summary, results, dtype, device, load_seconds):
+    """The per-problem results into --out (written whole or not at all), the summary on stderr
+    and, as the last line of stdout, as JSON; exit status 1 if --out could not be written.
+    -> the summary line"""
     out, write_error = args.out, None
     try:
         write_jsonl_atomic(out, results)

@@ -126,7 +126,33 @@ class StopRequest:
               file=sys.stderr, flush=True)
 
 
+def interrupted_before_steps(args):
+    """Ctrl-C while loading or in the step-0 evaluation: one line, exit status 130, nothing half
+    written. -> the SystemExit to raise"""
+    made = args.out and os.path.exists(os.path.join(args.out, "config.json"))
+    print("\ntrain.py: interrupted (Ctrl-C) before the training steps: nothing trained since the "
+          "last checkpoint" + (f"; `python train.py --resume {args.out}` goes on" if made else ""),
+          file=sys.stderr)
+    return SystemExit(130)
+
+
 # ---- setup ---------------------------------------------------------------------------------------
+
+def check_before_loading(args, writes, world):
+    """What fails before any loading: a bad --out (checked again once the model loaded), a run
+    directory another process holds (--resume), ranks that do not divide --prompts-per-step.
+    -> the run directory's lock when resuming, else None"""
+    if writes and not args.resume:
+        try:
+            runs.check_new(args.out)
+        except runs.RunError as error:
+            sys.exit(f"train.py: {error}")
+    run_lock = claim_run_directory(args) if writes and args.resume else None
+    if args.prompts_per_step % world:
+        sys.exit(f"train.py: --prompts-per-step {args.prompts_per_step} must be a multiple of the "
+                 f"{world} ranks")
+    return run_lock
+
 
 def setup(args):
     """The model, its copies, the optimizer and the data of a run -> Run."""
@@ -136,15 +162,7 @@ def setup(args):
     config.on_device(args, device)
     args.out = args.resume or args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     writes = rank == 0 and not args.bench
-    if writes and not args.resume:  # a bad --out fails now, not after loading (checked again later)
-        try:
-            runs.check_new(args.out)
-        except runs.RunError as error:
-            sys.exit(f"train.py: {error}")
-    run_lock = claim_run_directory(args) if writes and args.resume else None  # before any work
-    if args.prompts_per_step % world:
-        sys.exit(f"train.py: --prompts-per-step {args.prompts_per_step} must be a multiple of the "
-                 f"{world} ranks")
+    run_lock = check_before_loading(args, writes, world)
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     try:  # config.json and the tokenizer first: the data and the memory plan before any weight
@@ -386,7 +404,7 @@ def describe(run):
         + (", update's blocks compiled" if run.policy.compiled_layers else "")
         + (", activations recomputed in backward" if run.policy.gradient_checkpointing else ""),
         f"data      {args.data} (template {args.template}), held-out: "
-        f"{len(run.heldout) if run.heldout else 'none'}",
+        f"{len(run.heldout) if run.heldout else 'none'}" + (f", tools: {args.tools}" if args.tools else ""),
         f"reward    {answer_format(run)}",
         f"method    preset {args.preset}{cpu}: {method}, dynamic sampling "
         f"{'on' if args.dynamic_sampling else 'off'}",
@@ -468,6 +486,23 @@ def shared_prompt_accuracy(run, progress, sampled):
         for prompt_id, accuracy in rank_seen:
             dapo.update_accuracy(table, prompt_id, accuracy)
     return table
+
+
+def adaptive_budget(args, progress, records):
+    """--adaptive-budget: each prompt's number of samples from its accuracy so far (hard prompts
+    more, easy ones fewer), the round's total unchanged."""
+    return dapo.adaptive_num_samples([progress.prompt_accuracy.get(r["id"]) for r in records],
+                                     total=len(records) * args.samples, min_samples=2,
+                                     max_samples=2 * args.samples)
+
+
+def harder_variants(run, batch):
+    """--adversarial: harder (or hinted) variants of the round's signal-less prompts, asked first
+    in the next round."""
+    return data.adversarial_variants(
+        batch.records, dapo.adversarial_requests(batch.correct, batch.group_sizes), run.variant_rng,
+        run.tokenizer, run.args.template,
+        max_prompt_tokens=run.policy.config.max_seq_len - run.args.max_new_tokens)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------

@@ -9,40 +9,30 @@
     python train.py --bench               # seconds per step: rollout / scoring / update
 
 DAPO (Yu et al. 2025, arXiv 2503.14476) is GRPO (Shao et al. 2024, arXiv 2402.03300) with a rule
-reward (eq. 7), no KL term, and four changes, numbered as in dapo.py (the paper's order):
-  1. Clip-higher (eq. 10): eps_low 0.2, eps_high 0.28. The ratio leaves 1 only after the first of
-     the mu updates of a step (or on groups carried off-policy), so this acts only with
-     --mini-batches > 1 (the paper takes 16).
-  2. Dynamic sampling (eq. 11): drop the groups whose G answers are all right or all wrong, and
-     sample more prompts until the batch is full or --max-refills rounds are spent.
-  3. Token-level loss (eq. 12): divide by the number of tokens of the whole mini-batch.
-  4. Overlong reward shaping (eq. 13): truncated samples masked, or punished softly.
-
-One training step (`train_step`), numbered as the code below:
-  1. Sample G completions of each prompt and reward them (eq. 7, change 4's punishment); a task
-     in turns (episodes.py) samples G episodes, rewarded by their outcome, a row per turn.
-  2. Filter and refill the groups (change 2).
+reward (eq. 7), no KL term, and four changes: clip-higher (eq. 10; it acts only with
+--mini-batches > 1, the paper's 16), dynamic sampling (eq. 11), a token-level loss (eq. 12) and
+overlong reward shaping (eq. 13). One training step (`train_step`), numbered as the code below:
+  1. Sample G completions of each prompt and reward them (eq. 7 and 13); a task in turns
+     (episodes.py) samples G episodes, rewarded by their outcome, a row per turn.
+  2. Filter and refill the groups (eq. 11).
   3. Old log-probs: the trainer scores the batch before its first update (pi_old of eq. 10).
   4. Advantages within each group (eq. 9), or per token (REINFORCE++, which reads pi_old).
-  5. Updates on mini-batches of 1/mu of a full batch (fewer of them when dynamic sampling fell
-     short), accumulated over micro-batches with the token counts of the whole mini-batch over
-     all ranks as divisors (changes 1, 3 and 4's mask).
+  5. Updates on mini-batches of 1/mu of a full batch, accumulated over micro-batches with the
+     token counts of the whole mini-batch over all ranks as divisors (eq. 10 and 12).
   6. Metrics: named sums, reduced over ranks in one call; rank 0 writes them.
 --steps counts these training steps; the schedule counts those that made an optimizer step.
-What is not DAPO stays beside this file: setup, checkpoints and held-out evaluation in launch.py
-(the run's directory in runs.py), step 6's metrics in metrics.py, tasks in turns in episodes.py,
-the objectives since DAPO in objectives.py and their choices of tokens in token_choice.py, the
-reference policy's terms and DPO in reference.py, routing replay in moe.py.
+What is not DAPO stays beside this file: setup, checkpoints and held-out evaluation in launch.py,
+step 6's metrics in metrics.py, tasks in turns in episodes.py, the objectives since DAPO in
+objectives.py and token_choice.py, the reference policy's terms and DPO in reference.py, routing
+replay in moe.py.
 """
 
 import dataclasses
 import functools
 import itertools
 import math
-import os
 import random
 import signal
-import sys
 import time
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -259,7 +249,7 @@ def collect_rollouts(run, progress):
         records = requests + run.stream.take(count)  # only what is asked: none skipped
         seeds = [random.Random(f"{args.seed}:{progress.step}:{round_index}:{place}").getrandbits(62)
                  for place in places]
-        counts = adaptive_budget(args, progress, records) if args.adaptive_budget \
+        counts = launch.adaptive_budget(args, progress, records) if args.adaptive_budget \
             else [args.samples] * len(records)
         batch = sample_and_reward(run, records, counts, seeds)
         sampled.append(batch)
@@ -268,7 +258,7 @@ def collect_rollouts(run, progress):
         informative = dapo.keep_groups(metrics.scores(batch), batch.group_sizes).tolist()  # eq. 11
         kept.append(batch.select(g for g, keep in enumerate(informative) if keep))
         last_round = round_index + 1 == rounds or have + sum(informative) >= want
-        requests = [] if last_round or not args.adversarial else harder_variants(run, batch)
+        requests = [] if last_round or not args.adversarial else launch.harder_variants(run, batch)
         asked += len(requests)
     kept = Rollouts.concat(kept)
     surplus = None
@@ -276,23 +266,6 @@ def collect_rollouts(run, progress):
         surplus = kept.select(range(want, kept.num_groups))
         surplus = replace(surplus, stale=[True] * len(surplus.stale))
     return Collected(kept.select(range(min(want, kept.num_groups))), sampled, surplus, asked)
-
-
-def adaptive_budget(args, progress, records):
-    """--adaptive-budget: each prompt's number of samples from its accuracy so far (hard prompts
-    more, easy ones fewer), the round's total unchanged."""
-    return dapo.adaptive_num_samples([progress.prompt_accuracy.get(r["id"]) for r in records],
-                                     total=len(records) * args.samples, min_samples=2,
-                                     max_samples=2 * args.samples)
-
-
-def harder_variants(run, batch):
-    """--adversarial: harder (or hinted) variants of the round's signal-less prompts, asked first
-    in the next round."""
-    return data.adversarial_variants(
-        batch.records, dapo.adversarial_requests(batch.correct, batch.group_sizes), run.variant_rng,
-        run.tokenizer, run.args.template,
-        max_prompt_tokens=run.policy.config.max_seq_len - run.args.max_new_tokens)
 
 
 # ---- 3-4: old log-probs, advantages -------------------------------------------------------------
@@ -463,6 +436,9 @@ def policy_micro_batches(run, batch, rows, first_group, weight_scale=1.0):
         keep = [rollouts is not STAND_IN and not (args.overlong_filter and rollouts.truncated[i])
                 for i in part]
         old = [rollouts.old_logprobs[i] for i in part]
+        advantages = [rollouts.advantages[i] for i in part]  # per row, or per token (REINFORCE++)
+        advantages = data.pad_rows(advantages, width, device) if isinstance(advantages[0], list) \
+            else torch.tensor(advantages, device=device)  # (b,) or (b, C)
         old_logp = data.pad_rows([o or [] for o in old], width, device)
         sampler = data.pad_rows([rollouts.sampler_logprobs[i] for i in part], width, device)
         mask = unrejected = packed.mask * torch.tensor(keep, device=device)[:, None]
@@ -471,7 +447,7 @@ def policy_micro_batches(run, batch, rows, first_group, weight_scale=1.0):
                                                    bound=args.tis_reject_bound)
         out.append(MicroBatch(
             ids=packed.ids, attn=packed.attn, start=packed.start, mask=mask,
-            advantages=advantages_of(rollouts, part, width, device), old=old_logp,
+            advantages=advantages, old=old_logp,
             has_old=torch.tensor([o is not None for o in old], device=device), sampler=sampler,
             fresh=torch.tensor([not rollouts.stale[i] for i in part], device=device),
             group_ids=torch.tensor([group[i] if rollouts is batch else 0 for i in part], device=device),
@@ -481,14 +457,6 @@ def policy_micro_batches(run, batch, rows, first_group, weight_scale=1.0):
             aux_weight=0.0 if rollouts is STAND_IN else 1.0 / (count * run.world),
             weight_scale=weight_scale, rejected=float(unrejected.sum() - mask.sum())))
     return out
-
-
-def advantages_of(rollouts, rows, width, device):
-    """(b,) one advantage per row, or (b, C) one per token (REINFORCE++)."""
-    values = [rollouts.advantages[i] for i in rows]
-    if isinstance(values[0], list):
-        return data.pad_rows(values, width, device)
-    return torch.tensor(values, device=device)
 
 
 def policy_gradient_loss(run, mb, divisors, chosen=None):
@@ -563,11 +531,7 @@ def main(argv=None):
         if run.heldout and progress.step == 0 and not args.bench:  # every rank: its share
             launch.evaluate_and_log(run, progress)
     except KeyboardInterrupt:
-        made = args.out and os.path.exists(os.path.join(args.out, "config.json"))
-        print("\ntrain.py: interrupted (Ctrl-C) before the training steps: nothing trained since "
-              "the last checkpoint" + (f"; `python train.py --resume {args.out}` goes on" if made
-                                       else ""), file=sys.stderr)
-        raise SystemExit(130) from None
+        raise launch.interrupted_before_steps(args) from None
     with launch.StopRequest() as stop, run.tracker:  # signals: at the end of a step, checkpointed
         progress, ended = train_steps(run, progress, stop)
         if ended == "stopped":  # not finished: no final/, an exit status that says so

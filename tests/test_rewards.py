@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import data  # noqa: E402
 import launch  # noqa: E402
 import rewards  # noqa: E402
 import verify  # noqa: E402
@@ -738,6 +739,23 @@ def test_the_worked_example_reads_the_rows_own_fields():
     assert function("373.7", row) == (0.0, {"answered": 1.0})
     assert function("hot", row) == (0.0, {"answered": 0.0})
     assert function("373.15", {**row, "tolerance": 0}) == (1.0, {"answered": 1.0})
+
+
+def test_the_calculator_reward_pays_for_the_steps_to_a_right_answer():
+    """recipes/calculator_reward.py on an arithmetic record: the whole episode's text, calls and
+    results included, as episodes.next_turn builds it."""
+    function = launch.load_reward_function(
+        str(pathlib.Path(EXAMPLE).with_name("calculator_reward.py")) + ":reward")
+    row = data.arithmetic_record([123, 456], ["*"])
+    called = "<calc>456 * 123</calc>\n<result>56088</result>\n"
+    parts = lambda right, call, own: {"accuracy": right, "calc_call": call, "operand_call": own}
+    assert function(called + "Answer: 56088", row) == (1.5, parts(1.0, 1.0, 1.0))
+    assert function(called + "Answer: 56000", row) == (-0.5, parts(0.0, 1.0, 1.0))
+    assert function("<calc>12 * 34</calc>\n<result>408</result>\nAnswer: 408", row) == \
+        (-0.75, parts(0.0, 1.0, 0.0))  # the prompt's example, not the problem
+    assert function("Answer: 56088", row) == (1.0, parts(1.0, 0.0, 0.0))
+    assert function("<calc>123 * 456 + 0</calc><calc>as</calc>", row) == (-0.75, parts(0.0, 1.0, 0.0))
+    assert function("<calc>123 times 456</calc>", row) == (-1.0, parts(0.0, 0.0, 0.0))
 
 
 def test_loading_a_reward_function_says_what_is_wrong(tmp_path):

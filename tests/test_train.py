@@ -1957,9 +1957,10 @@ def test_a_run_with_the_calculator(tiny, tmp_path):
     _, data_file = tiny
     model_dir = digit_checkpoint(tmp_path / "model", context=128)  # room for the word on the tool
     out = tmp_path / "run"
-    run_train(["--model", model_dir, "--data", data_file, "--steps", "2", "--out", str(out),
-               "--tools", "calculator", "--eval-every", "1", "--eval-data", data_file, "--eval-limit", "4"]
-              + BASE)
+    done = run_train(["--model", model_dir, "--data", data_file, "--steps", "2", "--out", str(out),
+                      "--tools", "calculator", "--eval-every", "1", "--eval-data", data_file,
+                      "--eval-limit", "4"] + BASE)
+    assert "held-out: 4, tools: calculator" in done.stdout  # the header says the tool is on
     short = run_train(["--model", tiny[0], "--data", data_file, "--steps", "1", "--out", str(tmp_path / "no"),
                        "--tools", "calculator"] + BASE, check=False)  # a context of 64: no room
     assert short.returncode != 0 and "with --tools calculator" in short.stderr.strip().splitlines()[-1]
