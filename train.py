@@ -9,9 +9,10 @@
     python train.py --bench               # seconds per step: rollout / scoring / update
 
 DAPO (Yu et al. 2025, arXiv 2503.14476) is GRPO (Shao et al. 2024, arXiv 2402.03300) with a rule
-reward (eq. 7), no KL term, and four changes: clip-higher (eq. 10; it acts only with
---mini-batches > 1, the paper's 16), dynamic sampling (eq. 11), a token-level loss (eq. 12) and
-overlong reward shaping (eq. 13). One training step (`train_step`), numbered as the code below:
+reward (eq. 7), no KL term, and four changes, numbered as in dapo.py: (1) clip-higher (eq. 10;
+it acts only with --mini-batches > 1, the paper's 16), (2) dynamic sampling (eq. 11), (3) a
+token-level loss (eq. 12), (4) overlong reward shaping (eq. 13).
+One training step (`train_step`), numbered as the code below:
   1. Sample G completions of each prompt and reward them (eq. 7 and 13); a task in turns
      (episodes.py) samples G episodes, rewarded by their outcome, a row per turn.
   2. Filter and refill the groups (eq. 11).

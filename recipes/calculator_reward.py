@@ -24,6 +24,9 @@ def reward(reply, row):
     """+1 right / -1 wrong (verify.is_correct, as the rule reward judges), plus BONUS for a call
     the calculator evaluates and BONUS more when a call holds exactly the problem's operands.
     Parts: accuracy (what counts as right), calc_call and operand_call (logged as reward_...)."""
+    if not isinstance(row.get("operands"), list):
+        raise ValueError("calculator_reward reads the arithmetic task's rows (their operands); "
+                         "this row has none: --data arithmetic:...,ops=*")
     right = verify.is_correct(reply, row["answer"])
     calls = [verify.arithmetic_value(call) for call in CALL.findall(reply)]  # (value, numbers)
     evaluated = [value[1] for value in calls if value is not None]  # each call's numbers

@@ -756,6 +756,8 @@ def test_the_calculator_reward_pays_for_the_steps_to_a_right_answer():
     assert function("Answer: 56088", row) == (1.0, parts(1.0, 0.0, 0.0))
     assert function("<calc>123 * 456 + 0</calc><calc>as</calc>", row) == (-0.75, parts(0.0, 1.0, 0.0))
     assert function("<calc>123 times 456</calc>", row) == (-1.0, parts(0.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="arithmetic task's rows"):  # a row of another task
+        function("Answer: 3", {"prompt": "What is 1 + 2?", "answer": "3"})
 
 
 def test_loading_a_reward_function_says_what_is_wrong(tmp_path):
