@@ -4,6 +4,7 @@ never absolute times, compare across machines; every report names its CPU or GPU
     python bench.py sampler   # rollout.generate eager and compiled vs transformers' generate eager
                               # and static-cache compiled: tok/s, ratios, matmul-only bound, compile
     python bench.py engine    # RL's long tail under a KV budget: static waves vs the paged engine
+    python bench.py refills   # dynamic sampling's rounds one after another vs in one queue
     python bench.py update    # forward + backward + AdamW tok/s (fp32, bf16 autocast), log-prob memory
     python bench.py moe       # a small Qwen3-MoE's forward + backward tok/s
     python bench.py sampler --device cuda --model DIR   # on a GPU (recipes/gpu-check.sh makes DIR)
@@ -257,6 +258,52 @@ def bench_engine(args):
               f"  KV pool {held * block_bytes / 2**20:6.0f} MiB{extra}")
 
 
+def bench_refills(args):
+    """Dynamic sampling's refill rounds (change 2) when no group has a signal, so that every
+    round is needed: rounds one after another, each waiting for its longest row, against the
+    rounds in one running queue, each queued as train.rounds_in_one_queue queues it (as soon as
+    the groups still running cannot fill the batch: here, when a group of the round before
+    ends). The same samples (checked); lengths drawn as `bench_engine`'s."""
+    device = torch.device(args.device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    model = pack_linears(model)
+    prompts, G, N, R = bench_prompts(tokenizer, args.prompts), args.samples, args.new_tokens, args.rounds
+    sampling = dict(num_samples=G, max_new_tokens=N, temperature=1e4, compile=False,
+                    stop_token_ids=long_tail_stops(model.config.vocab_size, N))
+    seeds = [[1_000_003 * r + i for i in range(len(prompts))] for r in range(R)]
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"{cpu_name()}, {torch.get_num_threads()} threads")
+    print(f"{R} rounds of {len(prompts)} prompts x {G} samples, up to {N} new tokens (5% of rows "
+          f"at the limit), no group with a signal, {where}")
+
+    def in_turn():
+        return [c for r in range(R) for c in generate(model, prompts, seed=seeds[r], **sampling)]
+
+    def one_queue():
+        queued, running = 1, len(prompts)  # rounds queued; groups not yet ended
+
+        def on_group(index, completions):
+            nonlocal queued, running
+            running -= 1
+            if queued < R and running < len(prompts):  # the batch cannot fill: the next round
+                queued, running = queued + 1, running + len(prompts)
+                return prompts, [G] * len(prompts), seeds[queued - 1]
+        return generate(model, prompts, seed=seeds[0], on_group=on_group, **sampling)
+    paths = {"rounds in turn": in_turn, "one queue": one_queue}
+    outputs = {name: path() for name, path in paths.items()}  # warm-up, and the samples compared
+    assert [c.tokens for c in outputs["one queue"]] == [c.tokens for c in outputs["rounds in turn"]]
+    tokens = sum(len(c.tokens) for c in outputs["rounds in turn"])
+    times = {name: [] for name in paths}
+    for _ in range(args.repeats):  # alternated, so that a slower moment of the machine hits both
+        for name, path in paths.items():
+            times[name].append(timed(path, device))
+    for name in paths:
+        rate = tokens / statistics.median(times[name])
+        print(f"  {name:15s} {rate:7.0f} tok/s  "
+              f"{statistics.median(times['rounds in turn']) / statistics.median(times[name]):5.2f}x")
+
+
 # ----------------------------------------------------------------------------- the update
 
 def _bench_logprob_memory(path: str, batch: int, length: int, chunked: bool):
@@ -460,7 +507,7 @@ def bench_moe(args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["sampler", "engine", "update", "moe"])
+    parser.add_argument("what", choices=["sampler", "engine", "refills", "update", "moe"])
     parser.add_argument("--model", default=None, help="checkpoint dir / .gguf / hub id "
                         "(default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (moe and the memory part: "
@@ -472,6 +519,7 @@ def main(argv=None):
     sampler.add_argument("--prompts", type=int, default=16, help="prompts per batch")
     sampler.add_argument("--samples", type=int, default=4, help="samples per prompt")
     sampler.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row")
+    sampler.add_argument("--rounds", type=int, default=4, help="refills: rollout rounds")
     sampler.add_argument("--dtypes", default=None, help="comma-separated, e.g. float32,bfloat16 "
                          "(default: both where the device has native bf16, else float32; update: "
                          "bfloat16 means bf16 autocast)")
@@ -496,6 +544,8 @@ def main(argv=None):
             bench_sampler(args)
         elif args.what == "engine":
             bench_engine(args)
+        elif args.what == "refills":
+            bench_refills(args)
         elif args.what == "update":
             if device.type == "cpu":
                 bench_memory(args)
@@ -514,9 +564,9 @@ def checked_device(parser, args) -> torch.device:
         parser.error(f"--device {args.device}: not a device name (cpu, cuda, cuda:1, ...)")
     if device.type not in ("cpu", "cuda"):
         parser.error(f"--device {args.device}: this project runs on cpu or cuda")
-    if args.threads < 0 or args.repeats < 1:
-        parser.error(f"--threads must be >= 0 (0: torch's) and --repeats >= 1; got "
-                     f"{args.threads}, {args.repeats}")
+    if args.threads < 0 or args.repeats < 1 or args.rounds < 1:
+        parser.error(f"--threads must be >= 0 (0: torch's), --repeats and --rounds >= 1; got "
+                     f"{args.threads}, {args.repeats}, {args.rounds}")
     if args.what == "moe" and device.type != "cpu":
         parser.error("moe: --device cpu only")
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -221,13 +221,15 @@ def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_
 def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, temperature=1.0,
              top_p=1.0, top_k=0, stop_token_ids=(), seed=0, compile=None, check_every=None,
              record_routing=False, stream=None, kv_budget=None, max_rows=None, block_size=16,
-             prefill_tokens=8192, stats=None):
+             prefill_tokens=8192, stats=None, on_group=None):
     """prompts: list of token-id lists; num_samples: int, or one int per prompt; seed: int, or one
     int per prompt. compile: run the decode step through torch.compile (None: eager,
     see `step_function`). record_routing: on an MoE model, each Completion's `.routing`
     holds the experts every position went to (for routing replay). stream: called every
     `check_every` decode steps (None: 1) with the tokens so far, (B, longest), 0 past a row's
-    end (demo.py).
+    end (demo.py). on_group: called as each prompt's last row ends, with the prompt's index and
+    its Completions; it may return more prompts for the same queue, (prompts, num_samples, seeds)
+    as lists, numbered on from those so far (dynamic sampling's refills, train.py).
     The engine: kv_budget, GiB of KV blocks (None: every row at its longest on a CPU; on CUDA
     also at most 90% of the free memory, see `pool_blocks`); max_rows running at once (None: all);
     block_size, positions a block holds; prefill_tokens, the most prompt tokens one prefill
@@ -241,28 +243,33 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     if block_size < 1 or prefill_tokens < 1 or (max_rows is not None and max_rows < 1):
         raise ValueError(f"generate: need block_size, prefill_tokens and max_rows >= 1; got "
                          f"{block_size}, {prefill_tokens}, {max_rows}")
-    record = record_routing and model.config.num_experts > 0
     engine = Engine(model, pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget),
-                    block_size, max_rows or sum(counts), prefill_tokens, record)
-    keys = sample_keys(seeds, counts).to(model.device)  # (B,) each row's random stream
+                    block_size, max_rows or sum(counts), prefill_tokens,
+                    record_routing and model.config.num_experts > 0)
+    engine.add(prompts, counts, seeds, max_new_tokens)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
-    step_fn = step_function(model, compile, record)
-    rows = new_rows(model, prompts, counts, max_new_tokens, record)
-    engine.waiting.extend(Prefill(group, list(prompts[i]))
-                          for i, group in enumerate(prompt_groups(rows, counts)))
+    step_fn = step_function(model, compile, engine.record)
     stop_ids, steps = set(stop_token_ids), 0
     while engine.busy():
         engine.admit()
         if engine.prefilling:  # prompts first: their rows join the next decode step
-            engine.prefill(keys, sampling, stop_ids, max_new_tokens)
-            continue
-        engine.decode(step_fn, keys, sampling, stop_ids, max_new_tokens)
-        steps += 1
-        if stream and steps % (check_every or 1) == 0:
-            stream(tokens_so_far(rows))
+            engine.prefill(sampling, stop_ids, max_new_tokens)
+        else:
+            engine.decode(step_fn, sampling, stop_ids, max_new_tokens)
+            steps += 1
+            if stream and steps % (check_every or 1) == 0:
+                stream(tokens_so_far(engine.rows))
+        for index in engine.groups_ended():
+            more = on_group and on_group(index, [row.completion() for row in engine.groups[index]])
+            if more:  # checked as the call's own prompts are
+                counts, seeds = _check_inputs(model, more[0], more[1], max_new_tokens, temperature,
+                                              top_p, top_k, check_every, more[2])
+                refuse_unfit(more[0], max_new_tokens, block_size, engine.cache.block_bytes,
+                             engine.pool.size)
+                engine.add(more[0], counts, seeds, max_new_tokens)
     if stats is not None:
         stats.update(engine.counts())
-    return [row.completion() for row in rows]
+    return [row.completion() for row in engine.rows]
 
 
 @dataclass
@@ -296,18 +303,6 @@ class Prefill:
     @property
     def fresh(self):  # a prompt's first prefill: its logits give each row's first token
         return not self.rows[0].tokens
-
-
-def new_rows(model, prompts, counts, max_new_tokens, record):
-    """One Row per sample, prompt-major; recording routes, each with its (P + N_new, L, k) buffer
-    (-1: dense layers, and positions never fed)."""
-    rows = [Row(r, i, list(prompts[i])) for r, i in enumerate(
-        i for i, c in enumerate(counts) for _ in range(c))]
-    cfg = model.config
-    for row in rows if record else ():
-        row.routes = torch.full((len(row.prompt) + max_new_tokens, cfg.num_layers,
-                                 cfg.experts_per_token), -1, dtype=torch.int16)
-    return rows
 
 
 def prompt_groups(rows, counts):
@@ -357,14 +352,21 @@ def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget):
         budget = free if budget is None else min(budget, free)
     if budget is not None:
         blocks = min(blocks, int(budget // block_bytes))
-    if blocks < 1 + max(longest):
+    refuse_unfit(prompts, max_new_tokens, block_size, block_bytes, blocks)
+    return blocks
+
+
+def refuse_unfit(prompts, max_new_tokens, block_size, block_bytes, blocks):
+    """A ValueError with the arithmetic when a row of `prompts` cannot fit alone in a pool of
+    `blocks` (the scratch block included)."""
+    longest = max(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)  # blocks a row
+    if blocks < 1 + longest:
         raise ValueError(
             f"generate: a row of {max(len(p) for p in prompts)} prompt + {max_new_tokens} new "
-            f"tokens needs {max(longest)} blocks of {block_size} positions ({block_bytes} bytes "
-            f"each, {max(longest) * block_bytes / 2**30:.3g} GiB) and the scratch block; the KV "
+            f"tokens needs {longest} blocks of {block_size} positions ({block_bytes} bytes "
+            f"each, {longest * block_bytes / 2**30:.3g} GiB) and the scratch block; the KV "
             f"budget holds {blocks} blocks, one of them scratch: raise it, or lower "
             f"max_new_tokens")
-    return blocks
 
 
 class Engine:
@@ -379,7 +381,31 @@ class Engine:
         self.cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
         self.pool, self.block_size = BlockPool(num_blocks), block_size
         self.waiting, self.prefilling, self.decoding = deque(), [], []  # Prefill, Prefill, Row
+        self.rows, self.groups, self.ended = [], [], []  # every Row; each prompt's; ended, unread
+        self.keys = torch.zeros(0, dtype=torch.long, device=model.device)  # (B,) random streams
         self.stats = dict(waits=0, preemptions=0, prefill_tokens=0, decode_steps=0)
+
+    def add(self, prompts, counts, seeds, max_new_tokens):
+        """Queues prompts with counts[i] rows each, numbered on from those so far (prompt-major);
+        recording routes, each row with its (P + N_new, L, k) buffer (-1: dense layers, and
+        positions never fed)."""
+        first_row, first_prompt, cfg = len(self.rows), len(self.groups), self.model.config
+        rows = [Row(first_row + r, first_prompt + i, list(prompts[i])) for r, i in enumerate(
+            i for i, c in enumerate(counts) for _ in range(c))]
+        for row in rows if self.record else ():
+            row.routes = torch.full((len(row.prompt) + max_new_tokens, cfg.num_layers,
+                                     cfg.experts_per_token), -1, dtype=torch.int16)
+        groups = prompt_groups(rows, counts)
+        self.rows += rows
+        self.groups += groups
+        self.keys = torch.cat([self.keys, sample_keys(seeds, counts).to(self.model.device)])
+        self.waiting.extend(Prefill(group, list(prompts[i])) for i, group in enumerate(groups))
+
+    def groups_ended(self):
+        """-> the indices of the prompts whose last row ended since the last call."""
+        prompts = {row.prompt_index for row in self.ended}
+        self.ended = []
+        return sorted(i for i in prompts if all(row.finish for row in self.groups[i]))
 
     def busy(self):
         return bool(self.waiting or self.prefilling or self.decoding)
@@ -411,7 +437,7 @@ class Engine:
             job.table = [self.pool.allocate() for _ in range(need)]
             self.prefilling.append(job)
 
-    def prefill(self, keys, sampling, stop_ids, max_new_tokens):
+    def prefill(self, sampling, stop_ids, max_new_tokens):
         """One forward over the next chunks of the admitted prefills, at most `prefill_tokens`
         positions in all; a prompt that completes draws each of its rows' first token."""
         chunks, left = [], self.prefill_tokens
@@ -443,8 +469,8 @@ class Engine:
                     source += [i] * len(job.rows)
         if drawing:  # their first tokens, all in one draw
             rows = self.tensor([row.index for row in drawing])
-            drawn, logp = sample_tokens(logits[self.tensor(source)], step_uniforms(keys[rows], 0),
-                                        **sampling)
+            uniforms = step_uniforms(self.keys[rows], 0)
+            drawn, logp = sample_tokens(logits[self.tensor(source)], uniforms, **sampling)
             self.take(drawing, drawn, logp, stop_ids, max_new_tokens)
 
     def start_decoding(self, job):
@@ -455,7 +481,7 @@ class Engine:
             row.table, row.cached = list(job.table), len(job.context)
             self.decoding.append(row)
 
-    def decode(self, step_fn, keys, sampling, stop_ids, max_new_tokens):
+    def decode(self, step_fn, sampling, stop_ids, max_new_tokens):
         """Every running row feeds its last token and draws the next (one host read)."""
         self.make_room()
         rows = self.decoding
@@ -465,7 +491,7 @@ class Engine:
         draws = self.tensor([len(row.tokens) for row in rows])  # (b,) each row's step
         routing = Routing() if self.record else None
         drawn, logp = step_fn(self.model, fed, start, self.tables([r.table for r in rows]),
-                              self.cache, keys[index], draws, *sampling.values(), routing)
+                              self.cache, self.keys[index], draws, *sampling.values(), routing)
         routes = routing.stacked(self.model.config).short().cpu() if routing else None  # (b, 1, L, k)
         for i, row in enumerate(rows):
             if routes is not None:  # the fed token's experts
@@ -486,6 +512,7 @@ class Engine:
                 self.decoding.remove(row)
                 self.pool.release(row.table)
                 row.table = []
+                self.ended.append(row)
 
     def make_room(self):
         """Gives each running row, oldest first, a block of its own for the position it writes:

@@ -124,6 +124,49 @@ def test_a_budget_16x_below_the_static_cache(tiny):
     assert_same(got, generate(model, prompts, **kw))
 
 
+@pytest.mark.parametrize("limits", [dict(), dict(blocks=6, max_rows=4)])
+def test_prompts_added_as_groups_end_keep_every_sample(tiny, limits):
+    """on_group (dynamic sampling's refills): prompts that join the queue while earlier rows
+    still run, under a budget that forces waits and preemptions, give the samples and routes of
+    one call with all of them; each prompt's group is reported once, as its last row ends."""
+    model = tiny("qwen3_moe")
+    first, later = prompts_of(model, (7, 12, 3)), prompts_of(model, (9, 20, 5, 11))[1:]
+    kw = dict(num_samples=3, max_new_tokens=30, temperature=1.0, stop_token_ids=[9, 17, 30],
+              compile=False, record_routing=True)
+    seeds = [11, 12, 13, 21, 22, 23]
+    want = generate(model, first + later, seed=seeds, **kw)
+    reported = []
+
+    def on_group(index, completions):
+        reported.append((index, completions))
+        if len(reported) == 1:  # the first group to end brings the later prompts in
+            return later, [3] * len(later), seeds[3:]
+    stats = {}
+    blocks = limits.get("blocks")
+    got = generate(model, first, seed=seeds[:3], on_group=on_group, stats=stats,
+                   kv_budget=budget(model, blocks) if blocks else None,
+                   max_rows=limits.get("max_rows"), **kw)
+    assert_same(got, want)
+    assert [c.prompt_index for c in got] == [i for i in range(6) for _ in range(3)]
+    for a, b in zip(got, want):
+        assert torch.equal(a.routing, b.routing)
+    assert sorted(i for i, _ in reported) == list(range(6)) and reported[0][0] < 3
+    for index, completions in reported:
+        assert_same(completions, got[3 * index:3 * index + 3])
+    assert stats["blocks_in_use"] == 0
+    if blocks:
+        assert stats["preemptions"] > 0 and stats["waits"] > 0, stats
+
+
+def test_added_prompts_are_checked_like_the_first(tiny):
+    model = tiny("llama3")
+    kw = dict(max_new_tokens=40, kv_budget=budget(model, 5))  # the pool: 4, what the first needs
+    with pytest.raises(ValueError, match="num_samples must be an int >= 1"):
+        generate(model, [[5] * 3], on_group=lambda i, c: ([[6] * 3], [0], [1]), **kw)
+    with pytest.raises(ValueError, match=r"needs 5 blocks of 16 positions .* holds 4 blocks"):
+        generate(model, [[5] * 3], on_group=lambda i, c: ([[6] * 30], [1], [1]), **kw)
+
+
 def test_a_row_that_cannot_fit_alone_is_refused_before_any_work(tiny):
     model = tiny("llama3")
     with pytest.raises(ValueError, match=r"needs 4 blocks of 16 positions .* holds 4 blocks, one of them scratch"):

@@ -560,6 +560,7 @@ def test_dynamic_sampling_never_hangs_on_signal_less_groups(tiny, tmp_path, monk
     run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "4")
     fake, calls = scripted_sampler(lambda record, call: [call % 2 == 0] * 4)  # all right / all wrong
     monkeypatch.setattr(train, "sample_and_reward", fake)
+    monkeypatch.setattr(train, "in_turns", lambda run: True)  # rounds one after another, scripted
     kept, sampled, surplus, asked = train.collect_rollouts(run, launch.Progress())
     assert len(calls) == 5 and len(sampled) == 5 and kept.num_groups == 0 and surplus is None
     assert asked == 0 and kept.tokens == []
@@ -576,6 +577,7 @@ def test_dynamic_sampling_fills_exactly_and_carries_surplus(tiny, tmp_path, monk
     script = lambda record, call: [True, False] * 2 if call or int(record["id"][1:]) % 2 else [True] * 4
     fake, calls = scripted_sampler(script)
     monkeypatch.setattr(train, "sample_and_reward", fake)
+    monkeypatch.setattr(train, "in_turns", lambda run: True)  # rounds one after another, scripted
     kept, sampled, surplus, _ = train.collect_rollouts(run, launch.Progress())
     informative_first = sum(int(i[1:]) % 2 for i in calls[0])
     assert len(calls) == 2 and kept.num_groups == 4 and not any(kept.stale)
@@ -590,6 +592,61 @@ def test_dynamic_sampling_fills_exactly_and_carries_surplus(tiny, tmp_path, monk
     # Without --keep-surplus there is nothing to carry.
     run.args.keep_surplus = False
     assert train.collect_rollouts(run, launch.Progress())[2] is None
+
+
+REWARD_ONE_IN = """import zlib
+def reward(text, record):
+    return 1.0 if zlib.crc32(text.encode()) % {} == 0 else -1.0
+"""
+
+
+@pytest.mark.parametrize("extra", [[], ["--max-rows", "4", "--keep-surplus"], ["--adaptive-budget"],
+                                   ["--reward-constant"]])
+def test_refills_in_one_queue_sample_what_rounds_in_turn_do(tiny, tmp_path, monkeypatch, extra):
+    """Dynamic sampling's rounds in one generate call (round r+1 queued as soon as round r
+    cannot fill the batch) keep, sample, carry and draw from the stream exactly what rounds one
+    after another do. With a row cap of one prompt's rows, round 1 is queued while round 0 still
+    runs; a reward without variance runs every round."""
+    import launch
+    import rollout
+    import train
+    reward = tmp_path / "reward.py"
+    constant = extra == ["--reward-constant"]
+    reward.write_text("def reward(text, record):\n    return -1.0\n" if constant
+                      else REWARD_ONE_IN.format(3 if "--keep-surplus" in extra else 6))
+    results, real_generate = [], rollout.generate
+    for one_queue in (True, False):
+        (tmp_path / str(one_queue)).mkdir()
+        run = in_process_run(tmp_path / str(one_queue), tiny, "--dynamic-sampling", "--max-refills",
+                             "3", "--reward", f"{reward}:reward", "--max-new-tokens", "8",
+                             *([] if constant else extra))
+        monkeypatch.setattr(train, "in_turns", lambda run, q=one_queue: not q)
+        events = []  # ("ended", prompt index) and ("queued", round) in order
+
+        def generate(*args, on_group=None, events=events, **kw):
+            def noted(index, completions):
+                events.append(("ended", index))
+                more = on_group(index, completions)
+                events.append(("queued", None) if more else ("none", None))
+                return more
+            events.append(("call", None))
+            return real_generate(*args, on_group=noted if on_group else None, **kw)
+        monkeypatch.setattr(rollout, "generate", generate)
+        results.append((train.collect_rollouts(run, launch.Progress()), next(run.stream), events))
+    (queue, queue_next, events), (turns, turns_next, turn_events) = results
+    assert len(queue.sampled) == len(turns.sampled) == (4 if constant else len(queue.sampled)) > 1
+    for a, b in zip(queue.sampled + [queue.kept], turns.sampled + [turns.kept], strict=True):
+        assert [r["id"] for r in a.records] == [r["id"] for r in b.records]
+        assert (a.group_sizes, a.tokens, a.rewards, a.correct) == (b.group_sizes, b.tokens, b.rewards, b.correct)
+        assert [x for row in a.sampler_logprobs for x in row] == pytest.approx(
+            [x for row in b.sampler_logprobs for x in row], abs=1e-5)
+    assert (queue.surplus is None) == (turns.surplus is None) == ("--keep-surplus" not in extra)
+    assert queue.surplus is None or queue.surplus.tokens == turns.surplus.tokens
+    assert [r["id"] for r in queue_next] == [r["id"] for r in turns_next]  # the stream, in step
+    assert events.count(("call", None)) == 1 and turn_events.count(("call", None)) == len(turns.sampled)
+    if "--max-rows" in extra:  # round 1 queued before round 0's last group (prompts 0-3) ended
+        first_queued = events.index(("queued", None))
+        assert any(event == ("ended", i) for event in events[first_queued:] for i in range(4))
 
 
 def test_adversarial_variants_are_asked_in_the_next_round(tiny, tmp_path, monkeypatch):
