@@ -261,7 +261,7 @@ def bench_engine(args):
 def bench_refills(args):
     """Dynamic sampling's refill rounds (change 2) when no group has a signal, so that every
     round is needed: rounds one after another, each waiting for its longest row, against the
-    rounds in one running queue, each queued as train.rounds_in_one_queue queues it (as soon as
+    rounds in one running queue, each queued as refills.rounds_in_one_queue queues it (as soon as
     the groups still running cannot fill the batch: here, when a group of the round before
     ends). The same samples (checked); lengths drawn as `bench_engine`'s."""
     device = torch.device(args.device)

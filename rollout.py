@@ -19,6 +19,8 @@ How one call runs (the design of vLLM and nano-vllm, in plain PyTorch):
    which frees its blocks and is recomputed when admitted again: never out of memory.
 4. The pool is sized by `kv_budget` (see `pool_blocks`); a row that cannot fit alone is refused
    before any work.
+5. `on_group` hears of each prompt whose last row has ended, and may queue more prompts into the
+   same running call (dynamic sampling's next round, refills.py).
 
 Each completion's `.logprobs` are those of the distribution the token was drawn from: the logits
 divided by the temperature, before top-k/top-p truncation (at temperature 1, the policy's own
@@ -229,7 +231,7 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     `check_every` decode steps (None: 1) with the tokens so far, (B, longest), 0 past a row's
     end (demo.py). on_group: called as each prompt's last row ends, with the prompt's index and
     its Completions; it may return more prompts for the same queue, (prompts, num_samples, seeds)
-    as lists, numbered on from those so far (dynamic sampling's refills, train.py).
+    as lists, numbered on from those so far (dynamic sampling's refills, refills.py).
     The engine: kv_budget, GiB of KV blocks (None: every row at its longest on a CPU; on CUDA
     also at most 90% of the free memory, see `pool_blocks`); max_rows running at once (None: all);
     block_size, positions a block holds; prefill_tokens, the most prompt tokens one prefill

@@ -15,7 +15,7 @@ token-level loss (eq. 12), (4) overlong reward shaping (eq. 13).
 One training step (`train_step`), numbered as the code below:
   1. Sample G completions of each prompt and reward them (eq. 7 and 13); a task in turns
      (episodes.py) samples G episodes, rewarded by their outcome, a row per turn.
-  2. Filter and refill the groups (eq. 11).
+  2. Filter and refill the groups (eq. 11; the rounds in refills.py).
   3. Old log-probs: the trainer scores the batch before its first update (pi_old of eq. 10).
   4. Advantages within each group (eq. 9), or per token (REINFORCE++, which reads pi_old).
   5. Updates on mini-batches of 1/mu of a full batch, accumulated over micro-batches with the
@@ -32,7 +32,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import random
 import signal
 import time
 from dataclasses import dataclass, replace
@@ -53,6 +52,7 @@ import metrics
 import moe
 import objectives
 import reference
+import refills
 import rewards
 import rollout
 import token_choice
@@ -239,109 +239,24 @@ def collect_rollouts(run, progress):
     args = run.args
     want = args.prompts_per_step // run.world
     if not args.dynamic_sampling:
-        batch = sample_and_reward(run, *round_prompts(run, progress, 0, [], want))
+        batch = sample_and_reward(run, *refills.round_prompts(run, progress, 0, [], want))
         return Collected(batch, [batch], surplus=None, asked=0)
     carry = progress.carry
     kept = [carry.select(range(min(want, carry.num_groups)))] if carry else []  # stale: use first
     rounds, have = 1 + args.max_refills, sum(part.num_groups for part in kept)
-    if rounds > 1 and not args.adversarial and not in_turns(run):  # refills while rows still run
-        sampled = rounds_in_one_queue(run, progress, want, have, rounds) if have < want else []
-        kept += [batch.select(g for g, keep in enumerate(with_signal(batch)) if keep)
-                 for batch in sampled]
+    if rounds > 1 and not args.adversarial and not refills.takes_turns(run):  # while rows run
+        sampled = [Rollouts.concat(groups) for groups in
+                   refills.rounds_in_one_queue(run, progress, want, have, rounds, rewarded)]
         asked = 0
     else:
-        sampled, asked = rounds_in_turn(run, progress, want, kept, rounds)
-    kept = Rollouts.concat(kept)
+        sampled, asked = refills.rounds_in_turn(run, progress, want, have, rounds, sample_and_reward)
+    kept = Rollouts.concat(kept + [batch.select(g for g, signal in enumerate(
+        refills.with_signal(batch)) if signal) for batch in sampled])
     surplus = None
     if args.keep_surplus and kept.num_groups > want:  # trained next step, off-policy
         surplus = kept.select(range(want, kept.num_groups))
         surplus = replace(surplus, stale=[True] * len(surplus.stale))
     return Collected(kept.select(range(min(want, kept.num_groups))), sampled, surplus, asked)
-
-
-def with_signal(batch):
-    """(groups,) whether each group carries a learning signal, 0 < #correct < G (eq. 11)."""
-    return dapo.keep_groups(metrics.scores(batch), batch.group_sizes).tolist()
-
-
-def round_prompts(run, progress, round_index, requests, want):
-    """A round's prompts: the adversarial variants asked (`requests`) first, then fresh ones
-    from the stream. A seed per prompt from its place, unique over ranks: a fresh prompt's
-    global position in the stream (so without refills the samples do not depend on the number
-    of ranks; one batch on, as the runs in the README were seeded), a variant's rank and index.
-    -> records, samples per record, seed per record"""
-    args = run.args
-    count = max(want - len(requests), 0)
-    places = [f"v{run.rank}.{i}" for i in range(len(requests))] + [
-        str(run.stream.position(i) + args.prompts_per_step) for i in range(count)]
-    records = requests + run.stream.take(count)  # only what is asked: none skipped
-    seeds = [random.Random(f"{args.seed}:{progress.step}:{round_index}:{place}").getrandbits(62)
-             for place in places]
-    counts = launch.adaptive_budget(args, progress, records) if args.adaptive_budget \
-        else [args.samples] * len(records)
-    return records, counts, seeds
-
-
-def rounds_in_turn(run, progress, want, kept, rounds):
-    """Change 2's rounds one after another, each sampled whole before the next is asked for (for
-    --adversarial, which makes round r+1 of round r's groups, and tasks in turns); the groups
-    with a signal are appended to `kept`. -> every round's Rollouts, variants asked"""
-    sampled, requests, asked = [], [], 0
-    for round_index in range(rounds):
-        have = sum(part.num_groups for part in kept)
-        if have >= want:
-            break
-        batch = sample_and_reward(run, *round_prompts(run, progress, round_index, requests, want))
-        sampled.append(batch)
-        informative = with_signal(batch)
-        kept.append(batch.select(g for g, keep in enumerate(informative) if keep))
-        last_round = round_index + 1 == rounds or have + sum(informative) >= want
-        requests = [] if last_round or not run.args.adversarial \
-            else launch.harder_variants(run, batch)
-        asked += len(requests)
-    return sampled, asked
-
-
-def rounds_in_one_queue(run, progress, want, have, rounds):
-    """Change 2's rounds in one rollout.generate call: round r+1's prompts join the running queue
-    as soon as it is certain to be needed, when the groups with a signal so far, plus every group
-    still running, cannot fill the batch. That is exactly when rounds one after another would
-    sample it (the same prompts, seeds and samples), but the step waits for one long tail, not
-    one per round. `have`: groups already kept (carried). -> every round's Rollouts"""
-    args, queued, firsts, groups = run.args, [], [], {}  # (record, prompt)s; rounds' first; Rollouts
-    signal = running = 0  # groups ended with a signal; groups not yet ended
-
-    def next_round():
-        nonlocal running
-        records, counts, seeds = round_prompts(run, progress, len(firsts), [], want)
-        prompts = [data.format_prompt(record, run.tokenizer, args.template) for record in records]
-        firsts.append(len(queued))
-        queued.extend(zip(records, prompts))
-        running += len(records)
-        return prompts, counts, seeds
-
-    def on_group(index, completions):  # prompt `index` has all its samples: reward them
-        nonlocal signal, running
-        record, prompt = queued[index]
-        groups[index] = group = rewarded(run, [record], [len(completions)], [prompt],
-                                         [replace(c, prompt_index=0) for c in completions])
-        signal, running = signal + with_signal(group)[0], running - 1
-        if len(firsts) < rounds and have + signal + running < want:
-            return next_round()
-
-    prompts, counts, seeds = next_round()
-    rollout.generate(run.sampler.eval(), prompts, num_samples=counts, seed=seeds,
-                     on_group=on_group, **config.sampling_options(args, run.stop_ids))
-    ends = firsts[1:] + [len(queued)]
-    return [Rollouts.concat([groups[i] for i in range(first, end)])
-            for first, end in zip(firsts, ends)]
-
-
-def in_turns(run):
-    """Whether this run's episodes may take several turns (--tools, or a task in turns)."""
-    source = run.source
-    return bool(run.args.tools) or isinstance(source, episodes.MemoryTask) or (
-        isinstance(source, list) and any(episodes.in_turns(record) for record in source))
 
 
 # ---- 3-4: old log-probs, advantages -------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The reading path of one training step: every function and method that one step of the
 default run calls, in the files a reader follows (the model core, the sampler, the rewards, the
-losses, dapo.py and train.py), with its lines; the files beside them are listed apart.
+losses, dapo.py and refills.py, train.py), with its lines; the files beside them are listed apart.
 
     python recipes/reading-path.py            # one step of `python train.py`, traced
     python recipes/reading-path.py --list     # and every function, with its lines
@@ -17,7 +17,8 @@ from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-PATH_FILES = ("train.py", "model.py", "rollout.py", "rewards.py", "losses.py", "dapo.py")
+PATH_FILES = ("train.py", "model.py", "rollout.py", "rewards.py", "losses.py", "dapo.py",
+              "refills.py")
 
 
 def definitions(path):

@@ -6,6 +6,7 @@ first steps (metrics.jsonl) and their logged completions (samples.jsonl), timing
     git worktree add /tmp/before HEAD~1          # the checkout to compare against
     python recipes/same-run.py /tmp/before       # this checkout against it, 3 steps each
     python recipes/same-run.py /tmp/before --steps 2 --keep runs/same
+    python recipes/same-run.py /tmp/before --flags "--max-refills 3"   # the default and these
 
 Exit status 0 when they agree, 1 (with the first differences printed) when not. A refactor that
 is meant to leave behaviour unchanged must pass it on one machine (floating-point results differ
@@ -26,11 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ("seconds", "tokens_per_second", "train_seconds", "peak_memory_mib", "train_minutes")
 
 
-def run_default(checkout, out, steps):
-    """`python train.py --out OUT` in `checkout` until metrics.jsonl holds `steps` lines, then
-    SIGTERM (the run stops at the end of the step under way, checkpointed)."""
+def run_default(checkout, out, steps, flags=()):
+    """`python train.py --out OUT [FLAGS]` in `checkout` until metrics.jsonl holds `steps` lines,
+    then SIGTERM (the run stops at the end of the step under way, checkpointed)."""
     log = open(out + ".log", "w")
-    proc = subprocess.Popen([sys.executable, "train.py", "--out", out], cwd=checkout,
+    proc = subprocess.Popen([sys.executable, "train.py", "--out", out, *flags], cwd=checkout,
                             stdout=log, stderr=subprocess.STDOUT)
     metrics = os.path.join(out, "metrics.jsonl")
     while proc.poll() is None:
@@ -72,6 +73,8 @@ def main(argv=None):
     parser.add_argument("before", help="the checkout to compare this one against")
     parser.add_argument("--steps", type=int, default=3, help="training steps compared")
     parser.add_argument("--keep", help="write the two runs here (before/, after/), not to a temp dir")
+    parser.add_argument("--flags", default="", help="train.py flags added to the default run's, "
+                        "one string")
     args = parser.parse_args(argv)
     if args.steps < 1:
         sys.exit(f"same-run.py: --steps must be >= 1, got {args.steps}")
@@ -82,8 +85,8 @@ def main(argv=None):
         os.makedirs(base, exist_ok=True)
         runs = {side: os.path.abspath(os.path.join(base, side)) for side in ("before", "after")}
         for side, checkout in (("before", args.before), ("after", ROOT)):
-            print(f"{side}: python train.py in {checkout} ...", flush=True)
-            run_default(os.path.abspath(checkout), runs[side], args.steps)
+            print(f"{side}: python train.py {args.flags} in {checkout} ...", flush=True)
+            run_default(os.path.abspath(checkout), runs[side], args.steps, args.flags.split())
         found = differences(runs["before"], runs["after"], args.steps)
     for line in found[:40]:
         print(line)

@@ -556,11 +556,12 @@ def scripted_sampler(script):
 
 def test_dynamic_sampling_never_hangs_on_signal_less_groups(tiny, tmp_path, monkeypatch):
     import launch
+    import refills
     import train
     run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "4")
     fake, calls = scripted_sampler(lambda record, call: [call % 2 == 0] * 4)  # all right / all wrong
     monkeypatch.setattr(train, "sample_and_reward", fake)
-    monkeypatch.setattr(train, "in_turns", lambda run: True)  # rounds one after another, scripted
+    monkeypatch.setattr(refills, "takes_turns", lambda run: True)  # rounds one after another, scripted
     kept, sampled, surplus, asked = train.collect_rollouts(run, launch.Progress())
     assert len(calls) == 5 and len(sampled) == 5 and kept.num_groups == 0 and surplus is None
     assert asked == 0 and kept.tokens == []
@@ -569,15 +570,16 @@ def test_dynamic_sampling_never_hangs_on_signal_less_groups(tiny, tmp_path, monk
 def test_dynamic_sampling_fills_exactly_and_carries_surplus(tiny, tmp_path, monkeypatch):
     """Informative groups are kept until the batch is full; with --keep-surplus the rest go to
     the next step, marked stale, and are used first there; without it they are dropped."""
-    import launch
     import dataclasses
+    import launch
+    import refills
     import train
     run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "5", "--keep-surplus")
     # Round 0: groups 0 and 1 informative; round 1: all four.
     script = lambda record, call: [True, False] * 2 if call or int(record["id"][1:]) % 2 else [True] * 4
     fake, calls = scripted_sampler(script)
     monkeypatch.setattr(train, "sample_and_reward", fake)
-    monkeypatch.setattr(train, "in_turns", lambda run: True)  # rounds one after another, scripted
+    monkeypatch.setattr(refills, "takes_turns", lambda run: True)  # rounds one after another, scripted
     kept, sampled, surplus, _ = train.collect_rollouts(run, launch.Progress())
     informative_first = sum(int(i[1:]) % 2 for i in calls[0])
     assert len(calls) == 2 and kept.num_groups == 4 and not any(kept.stale)
@@ -608,6 +610,7 @@ def test_refills_in_one_queue_sample_what_rounds_in_turn_do(tiny, tmp_path, monk
     after another do. With a row cap of one prompt's rows, round 1 is queued while round 0 still
     runs; a reward without variance runs every round."""
     import launch
+    import refills
     import rollout
     import train
     reward = tmp_path / "reward.py"
@@ -620,7 +623,7 @@ def test_refills_in_one_queue_sample_what_rounds_in_turn_do(tiny, tmp_path, monk
         run = in_process_run(tmp_path / str(one_queue), tiny, "--dynamic-sampling", "--max-refills",
                              "3", "--reward", f"{reward}:reward", "--max-new-tokens", "8",
                              *([] if constant else extra))
-        monkeypatch.setattr(train, "in_turns", lambda run, q=one_queue: not q)
+        monkeypatch.setattr(refills, "takes_turns", lambda run, q=one_queue: not q)
         events = []  # ("ended", prompt index) and ("queued", round) in order
 
         def generate(*args, on_group=None, events=events, **kw):
