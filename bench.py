@@ -72,8 +72,9 @@ def timed(run, device):
 
 
 def bench_paths(ours, hf, prompts, args):
-    """{name: run()}: our sampler eager and compiled, transformers' generate eager and with its
-    fastest documented setup (static cache, forward through torch.compile), same batch."""
+    """{name: run()}: our sampler eager, compiled and (on CUDA) under CUDA graphs, transformers'
+    generate eager and with its fastest documented setup (static cache, forward through
+    torch.compile), same batch."""
     device, rows = ours.device, args.prompts * args.samples
     pad = hf.generation_config.pad_token_id
     width = max(map(len, prompts))
@@ -83,9 +84,10 @@ def bench_paths(ours, hf, prompts, args):
     hf_compiled = torch.compile(hf.forward, fullgraph=True,
                                 mode="reduce-overhead" if device.type == "cuda" else None)
 
-    def ours_run(compiled):
+    def ours_run(compiled, graphs=False):
         out = generate(ours, prompts, num_samples=args.samples, max_new_tokens=args.new_tokens,
-                       temperature=1.0, stop_token_ids=[], seed=0, compile=compiled)
+                       temperature=1.0, stop_token_ids=[], seed=0, compile=compiled,
+                       cuda_graphs=graphs)
         assert all(len(c.tokens) == args.new_tokens for c in out)
 
     def hf_run(static):
@@ -104,16 +106,20 @@ def bench_paths(ours, hf, prompts, args):
             del hf.forward  # back to the class's eager forward
 
     paths = {"ours eager": lambda: ours_run(False), "ours compiled": lambda: ours_run(True),
+             "ours, CUDA graphs": lambda: ours_run(False, graphs=True),
              "transformers eager": lambda: hf_run(False),
              "transformers static+compiled": hf_static_compiled}
+    if device.type != "cuda":  # off a GPU the padded steps run eagerly: nothing to time
+        del paths["ours, CUDA graphs"]
     return {name: run for name, run in paths.items() if PATH_KEYS[name] in args.paths}
 
 
 # --paths names each path by a short key (what a shell command can say)
-PATH_KEYS = {"ours eager": "ours", "ours compiled": "ours-compiled", "transformers eager": "hf",
+PATH_KEYS = {"ours eager": "ours", "ours compiled": "ours-compiled", "ours, CUDA graphs": "ours-graphs",
+             "transformers eager": "hf",
              "transformers static+compiled": "hf-compiled", "ours": "ours",
              "ours, blocks compiled": "ours-compiled", "transformers": "hf"}
-PATHS = list(dict.fromkeys(PATH_KEYS.values()))  # ours, ours-compiled, hf, hf-compiled
+PATHS = list(dict.fromkeys(PATH_KEYS.values()))  # ours, ours-compiled, ours-graphs, hf, hf-compiled
 
 
 def bandwidth_bound(model: Transformer, rows: int, context: float) -> float:
@@ -525,7 +531,8 @@ def main(argv=None):
                          "bfloat16 means bf16 autocast)")
     parser.add_argument("--paths", default=",".join(PATHS),
                         help="sampler and update: which paths to time, comma-separated, of ours, "
-                        "ours-compiled, hf (transformers eager), hf-compiled (sampler only)")
+                        "ours-compiled, ours-graphs (CUDA graphs, sampler on CUDA only), hf "
+                        "(transformers eager), hf-compiled (sampler only)")
     update = parser.add_argument_group("update")
     update.add_argument("--batch", type=int, default=8, help="log-prob memory: rows")
     update.add_argument("--length", type=int, default=512, help="log-prob memory: tokens per row")

@@ -160,6 +160,9 @@ def sampling_flags(g):
                         "it wait or are preempted and recomputed, the samples unchanged")
     g.add_argument("--max-rows", type=int, default=0,
                    help="most rows the sampler runs at once (0: all of a rank's rows)")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+                   help="replay the sampler's decode steps as CUDA graphs, one per bucket of rows "
+                        "(cuda_graphs.py; off until measured on a GPU; not with an MoE)")
     g.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,
                    help="DAPO eq. 11: drop groups whose answers are all right or all wrong, refill")
     g.add_argument("--max-refills", type=int, default=10, help="extra rollout rounds per step")
@@ -625,7 +628,7 @@ def sampling_options(args, stop_ids):
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                 stop_token_ids=stop_ids, compile=compile_choice(args),
                 record_routing=args.routing_replay, kv_budget=args.kv_budget or None,
-                max_rows=args.max_rows or None)
+                max_rows=args.max_rows or None, cuda_graphs=getattr(args, "cuda_graphs", False))
 
 
 def reward_options(args, completion):

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from cuda_graphs import BucketedStep
 from model import PagedKVCache, Transformer
 from speed import sampling_products
 from moe import Routing
@@ -223,7 +224,7 @@ def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_
 def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, temperature=1.0,
              top_p=1.0, top_k=0, stop_token_ids=(), seed=0, compile=None, check_every=None,
              record_routing=False, stream=None, kv_budget=None, max_rows=None, block_size=16,
-             prefill_tokens=8192, stats=None, on_group=None):
+             prefill_tokens=8192, stats=None, on_group=None, cuda_graphs=False):
     """prompts: list of token-id lists; num_samples: int, or one int per prompt; seed: int, or one
     int per prompt. compile: run the decode step through torch.compile (None: eager,
     see `step_function`). record_routing: on an MoE model, each Completion's `.routing`
@@ -232,6 +233,8 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     end (demo.py). on_group: called as each prompt's last row ends, with the prompt's index and
     its Completions; it may return more prompts for the same queue, (prompts, num_samples, seeds)
     as lists, numbered on from those so far (dynamic sampling's refills, refills.py).
+    cuda_graphs: decode steps padded to buckets and, on a GPU, replayed as CUDA graphs (not with
+    compile, an MoE or record_routing; see `step_function`).
     The engine: kv_budget, GiB of KV blocks (None: every row at its longest on a CPU; on CUDA
     also at most 90% of the free memory, see `pool_blocks`); max_rows running at once (None: all);
     block_size, positions a block holds; prefill_tokens, the most prompt tokens one prefill
@@ -250,7 +253,7 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
                     record_routing and model.config.num_experts > 0)
     engine.add(prompts, counts, seeds, max_new_tokens)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
-    step_fn = step_function(model, compile, engine.record)
+    step_fn = step_function(model, compile, engine.record, cuda_graphs)
     stop_ids, steps = set(stop_token_ids), 0
     while engine.busy():
         engine.admit()
@@ -262,13 +265,16 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
             if stream and steps % (check_every or 1) == 0:
                 stream(tokens_so_far(engine.rows))
         for index in engine.groups_ended():
-            more = on_group and on_group(index, [row.completion() for row in engine.groups[index]])
+            more = on_group(index, [row.completion() for row in engine.groups[index]]) \
+                if on_group else None
             if more:  # checked as the call's own prompts are
-                counts, seeds = _check_inputs(model, more[0], more[1], max_new_tokens, temperature,
-                                              top_p, top_k, check_every, more[2])
-                refuse_unfit(more[0], max_new_tokens, block_size, engine.cache.block_bytes,
+                added, added_counts, added_seeds = more
+                added_counts, added_seeds = _check_inputs(model, added, added_counts, max_new_tokens,
+                                                          temperature, top_p, top_k, check_every,
+                                                          added_seeds)
+                refuse_unfit(added, max_new_tokens, block_size, engine.cache.block_bytes,
                              engine.pool.size)
-                engine.add(more[0], counts, seeds, max_new_tokens)
+                engine.add(added, added_counts, added_seeds, max_new_tokens)
     if stats is not None:
         stats.update(engine.counts())
     return [row.completion() for row in engine.rows]
@@ -569,13 +575,17 @@ def tokens_so_far(rows):
     return pad_rows([row.tokens or [0] for row in rows])
 
 
-def step_function(model, compile, record):
+def step_function(model, compile, record, cuda_graphs=False):
     """The decode step: eager unless `compile` is True (None: eager on every device; on an H100
     the whole step's first compile for Qwen2.5-0.5B outlasted 4 minutes, MEASUREMENTS.md "On a
-    GPU"); eager on an MoE (it groups tokens by expert with a host read) and when recording
-    routes (eager work)."""
-    return compiled_step(model.device) if compile and model.config.num_experts == 0 \
-        and not record else decode_step
+    GPU") or `cuda_graphs` (padded to buckets, replayed as CUDA graphs on a GPU: cuda_graphs.py;
+    the same padding, eager, elsewhere); eager on an MoE (it groups tokens by expert with a host
+    read) and when recording routes (eager work)."""
+    if model.config.num_experts or record:
+        return decode_step
+    if cuda_graphs:
+        return BucketedStep(decode_step, capture=model.device.type == "cuda")
+    return compiled_step(model.device) if compile else decode_step
 
 
 def decode_step(model, fed, start, tables, cache, keys, draws, temperature, top_p, top_k,

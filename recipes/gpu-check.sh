@@ -132,7 +132,7 @@ sampler_at() {
 }
 export -f sampler_at
 export python device model_dir rows new_tokens repeats
-part sampler 160 "$figures" bash -c 'sampler_at ours,hf'
+part sampler 200 "$figures" bash -c 'sampler_at ours,ours-graphs,hf'
 part update 60 "$figures" $python bench.py update --device "$device" --model "$model_dir" \
     --dtypes bfloat16 --paths ours,hf --repeats "$repeats"
 # 2 training steps at a real size; --compile off: the eager update, no compile time in the budget

@@ -167,6 +167,24 @@ def test_added_prompts_are_checked_like_the_first(tiny):
         generate(model, [[5] * 3], on_group=lambda i, c: ([[6] * 30], [1], [1]), **kw)
 
 
+@pytest.mark.parametrize("family", ["llama3", "gemma3"])
+def test_decode_padded_to_buckets_keeps_every_sample(tiny, family):
+    """cuda_graphs=True off a GPU: every decode step padded to a bucket of rows and blocks, as the
+    captured graphs replay it (padding rows through the scratch block), gives the same samples;
+    rows stop at their own lengths, so the row count crosses buckets."""
+    from cuda_graphs import bucket, pad_inputs
+    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    fed, tables = torch.tensor([5, 6, 7]), torch.tensor([[1, 2], [3, 0], [4, 5]])
+    padded = pad_inputs(fed, fed, tables, fed, fed, 4, 4)
+    assert padded[0].tolist() == [5, 6, 7, 0] and padded[2].tolist() == [
+        [1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 0, 0], [0, 0, 0, 0]]
+    model = tiny(family)
+    prompts = prompts_of(model)
+    for kw in SAMPLING:
+        kw = dict(num_samples=3, max_new_tokens=40, compile=False, **kw)
+        assert_same(generate(model, prompts, cuda_graphs=True, **kw), generate(model, prompts, **kw))
+
+
 def test_a_row_that_cannot_fit_alone_is_refused_before_any_work(tiny):
     model = tiny("llama3")
     with pytest.raises(ValueError, match=r"needs 4 blocks of 16 positions .* holds 4 blocks, one of them scratch"):

@@ -1,0 +1,77 @@
+"""Decode steps replayed as CUDA graphs (the model runner of nano-vllm and vLLM), applied from
+outside the model: `rollout.generate(..., cuda_graphs=True)` hands its engine a `BucketedStep`.
+
+A decode step of a few hundred rows is hundreds of small kernels, and on a GPU their launches, not
+the arithmetic, set its time. A CUDA graph records the kernels once and replays them in one launch,
+but only for fixed shapes and fixed memory. So the step's inputs are padded to a bucket: the rows to
+the next power of two, each block table to the next power of two of blocks. A padding row feeds
+token 0 at position 0 through a table of the scratch block 0 (which attention never reads for a
+real row: its positions there are past the row's own), and its draw is thrown away. One graph per
+(rows, blocks) bucket, captured the first time the bucket comes, replayed after; the graphs share
+one memory pool and live as long as the call's KV cache, whose addresses they hold.
+
+Off a GPU the same padding runs eagerly, so the CPU tests check everything but the capture
+(`tests/test_engine.py`); `tests/test_gpu.py` checks the capture on CUDA.
+"""
+
+import torch
+
+
+def bucket(n):
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
+class BucketedStep:
+    """rollout.decode_step on inputs padded to a bucket; on CUDA through one captured graph per
+    bucket. Called as decode_step is; returns the real rows' tokens (b,) and log-probs (b,)."""
+
+    def __init__(self, decode_step, capture):
+        self.decode_step, self.capture = decode_step, capture
+        self.graphs = {}  # (rows, blocks, sampling) -> (graph, static inputs, static outputs)
+        self.pool = None  # the memory pool the graphs share
+
+    def __call__(self, model, fed, start, tables, cache, keys, draws, temperature, top_p, top_k,
+                 routing=None):
+        b, nb = tables.shape
+        padded = pad_inputs(fed, start, tables, keys, draws, bucket(b), bucket(nb))
+        sampling = (temperature, top_p, top_k)
+        if not self.capture:
+            tokens, logp = self.decode_step(model, *padded[:3], cache, *padded[3:], *sampling)
+            return tokens[:b], logp[:b]
+        key = (bucket(b), bucket(nb), sampling)
+        if key not in self.graphs:
+            self.graphs[key] = self.captured(model, cache, [torch.zeros_like(x) for x in padded],
+                                             sampling)
+        graph, inputs, (tokens, logp) = self.graphs[key]
+        for static, value in zip(inputs, padded):
+            static.copy_(value)
+        graph.replay()
+        return tokens[:b].clone(), logp[:b].clone()  # the next replay overwrites the outputs
+
+    def captured(self, model, cache, inputs, sampling):
+        """Captures the step on static `inputs` (all padding: the warm-up and the capture write
+        only into the scratch block) -> (graph, inputs, outputs)."""
+        def step():
+            return self.decode_step(model, *inputs[:3], cache, *inputs[3:], *sampling)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # kernels choose their workspaces before the capture
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = step()
+        self.pool = graph.pool()
+        return graph, inputs, outputs
+
+
+def pad_inputs(fed, start, tables, keys, draws, rows, blocks):
+    """The step's inputs, b rows -> `rows` rows, tables (b, nb) -> (rows, blocks); padding is 0
+    everywhere: token 0 at position 0 through the scratch block."""
+    b, nb = tables.shape
+    padded_tables = torch.zeros(rows, blocks, dtype=tables.dtype, device=tables.device)
+    padded_tables[:b, :nb] = tables
+    extend = lambda x: torch.cat([x, x.new_zeros(rows - b)])  # noqa: E731
+    return extend(fed), extend(start), padded_tables, extend(keys), extend(draws)
