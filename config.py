@@ -452,6 +452,9 @@ def refuse_combinations(args, parser):
                      "needs --tis-cap C > 0")
     check_rejection(args, parser)
     check_tools(args, parser)
+    if args.cuda_graphs and (args.routing_replay or args.compile == "on"):
+        parser.error("--cuda-graphs replays the eager decode step: not with --routing-replay "
+                     "(recorded on the host) or --compile on (one or the other)")
     if args.tis_floor and args.tis_mode != "mask":
         parser.error(f"--tis-floor {args.tis_floor:g} bounds the kept ratios of --tis-mode mask; "
                      "--tis-mode truncate has no floor")

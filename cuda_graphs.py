@@ -7,8 +7,9 @@ but only for fixed shapes and fixed memory. So the step's inputs are padded to a
 the next power of two, each block table to the next power of two of blocks. A padding row feeds
 token 0 at position 0 through a table of the scratch block 0 (which attention never reads for a
 real row: its positions there are past the row's own), and its draw is thrown away. One graph per
-(rows, blocks) bucket, captured the first time the bucket comes, replayed after; the graphs share
-one memory pool and live as long as the call's KV cache, whose addresses they hold.
+(rows, blocks) bucket, captured the first time the bucket comes in a `generate` call and replayed
+after; the graphs share one memory pool and live as long as the call's KV cache, whose addresses
+they hold, so each call captures its own (what a capture costs: MEASUREMENTS.md, "On a GPU").
 
 Off a GPU the same padding runs eagerly, so the CPU tests check everything but the capture
 (`tests/test_engine.py`); `tests/test_gpu.py` checks the capture on CUDA.

@@ -140,7 +140,8 @@ def interrupted_before_steps(args):
 
 def check_before_loading(args, writes, world):
     """What fails before any loading: a bad --out (checked again once the model loaded), a run
-    directory another process holds (--resume), ranks that do not divide --prompts-per-step.
+    directory another process holds (--resume), ranks that do not divide --prompts-per-step,
+    --cuda-graphs off a GPU.
     -> the run directory's lock when resuming, else None"""
     if writes and not args.resume:
         try:
@@ -151,6 +152,9 @@ def check_before_loading(args, writes, world):
     if args.prompts_per_step % world:
         sys.exit(f"train.py: --prompts-per-step {args.prompts_per_step} must be a multiple of the "
                  f"{world} ranks")
+    if getattr(args, "cuda_graphs", False) and args.device.type != "cuda":
+        sys.exit(f"train.py: --cuda-graphs replays decode steps on a GPU; this run is on "
+                 f"{args.device.type}")
     return run_lock
 
 
@@ -170,6 +174,9 @@ def setup(args):
     except (OSError, ValueError) as e:
         sys.exit(f"train.py: --model: {e}")
     refuse_mismatches(args, model_config)
+    if getattr(args, "cuda_graphs", False) and model_config.num_experts:
+        sys.exit("train.py: --cuda-graphs: an MoE's decode step groups tokens by expert on the "
+                 "host, which a CUDA graph cannot replay")
     if args.template is None:
         args.template = data.default_template(args.data)
     try:  # every row is checked before any training, on rank 0, which sends the records to all

@@ -232,7 +232,8 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     `check_every` decode steps (None: 1) with the tokens so far, (B, longest), 0 past a row's
     end (demo.py). on_group: called as each prompt's last row ends, with the prompt's index and
     its Completions; it may return more prompts for the same queue, (prompts, num_samples, seeds)
-    as lists, numbered on from those so far (dynamic sampling's refills, refills.py).
+    as lists, numbered on from those so far (dynamic sampling's refills, refills.py); they share
+    the pool and row cap sized for the call's own prompts.
     cuda_graphs: decode steps padded to buckets and, on a GPU, replayed as CUDA graphs (not with
     compile, an MoE or record_routing; see `step_function`).
     The engine: kv_budget, GiB of KV blocks (None: every row at its longest on a CPU; on CUDA
@@ -269,6 +270,9 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
                 if on_group else None
             if more:  # checked as the call's own prompts are
                 added, added_counts, added_seeds = more
+                if not isinstance(added_seeds, (list, tuple)):  # an int would repeat streams
+                    raise ValueError(f"generate: on_group's seeds must be one int per prompt, "
+                                     f"got {added_seeds!r}")
                 added_counts, added_seeds = _check_inputs(model, added, added_counts, max_new_tokens,
                                                           temperature, top_p, top_k, check_every,
                                                           added_seeds)

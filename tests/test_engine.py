@@ -168,10 +168,11 @@ def test_added_prompts_are_checked_like_the_first(tiny):
 
 
 @pytest.mark.parametrize("family", ["llama3", "gemma3"])
-def test_decode_padded_to_buckets_keeps_every_sample(tiny, family):
+def test_decode_padded_to_buckets_keeps_every_sample(tiny, family, monkeypatch):
     """cuda_graphs=True off a GPU: every decode step padded to a bucket of rows and blocks, as the
     captured graphs replay it (padding rows through the scratch block), gives the same samples;
     rows stop at their own lengths, so the row count crosses buckets."""
+    import rollout
     from cuda_graphs import bucket, pad_inputs
     assert [bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
     fed, tables = torch.tensor([5, 6, 7]), torch.tensor([[1, 2], [3, 0], [4, 5]])
@@ -180,9 +181,14 @@ def test_decode_padded_to_buckets_keeps_every_sample(tiny, family):
         [1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 0, 0], [0, 0, 0, 0]]
     model = tiny(family)
     prompts = prompts_of(model)
+    shapes, real = set(), rollout.decode_step  # (rows, blocks) of every step the model runs
+    monkeypatch.setattr(rollout, "decode_step", lambda model, fed, start, tables, *rest: (
+        shapes.add(tuple(tables.shape)) or real(model, fed, start, tables, *rest)))
     for kw in SAMPLING:
         kw = dict(num_samples=3, max_new_tokens=40, compile=False, **kw)
         assert_same(generate(model, prompts, cuda_graphs=True, **kw), generate(model, prompts, **kw))
+    padded = {s for s in shapes if bucket(s[0]) == s[0] and bucket(s[1]) == s[1]}
+    assert len(padded) >= 2 and any(s not in padded for s in shapes)  # the plain call's too
 
 
 def test_a_row_that_cannot_fit_alone_is_refused_before_any_work(tiny):

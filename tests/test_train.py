@@ -635,7 +635,13 @@ def test_refills_in_one_queue_sample_what_rounds_in_turn_do(tiny, tmp_path, monk
             events.append(("call", None))
             return real_generate(*args, on_group=noted if on_group else None, **kw)
         monkeypatch.setattr(rollout, "generate", generate)
-        results.append((train.collect_rollouts(run, launch.Progress()), next(run.stream), events))
+        collected = train.collect_rollouts(run, launch.Progress())
+        steps = [collected]
+        if collected.surplus:  # the next step starts from the carried groups
+            steps.append(train.collect_rollouts(run, launch.Progress(step=1, carry=collected.surplus)))
+            collected = collected._replace(sampled=collected.sampled + steps[1].sampled + [steps[1].kept])
+        events.append(("steps that sampled", sum(bool(s.sampled) for s in steps)))
+        results.append((collected, next(run.stream), events))
     (queue, queue_next, events), (turns, turns_next, turn_events) = results
     assert len(queue.sampled) == len(turns.sampled) == (4 if constant else len(queue.sampled)) > 1
     for a, b in zip(queue.sampled + [queue.kept], turns.sampled + [turns.kept], strict=True):
@@ -646,7 +652,8 @@ def test_refills_in_one_queue_sample_what_rounds_in_turn_do(tiny, tmp_path, monk
     assert (queue.surplus is None) == (turns.surplus is None) == ("--keep-surplus" not in extra)
     assert queue.surplus is None or queue.surplus.tokens == turns.surplus.tokens
     assert [r["id"] for r in queue_next] == [r["id"] for r in turns_next]  # the stream, in step
-    assert events.count(("call", None)) == 1 and turn_events.count(("call", None)) == len(turns.sampled)
+    sampling_steps = events[-1][1]  # one generate call a step, against one a round
+    assert events.count(("call", None)) == sampling_steps < turn_events.count(("call", None))
     if "--max-rows" in extra:  # round 1 queued before round 0's last group (prompts 0-3) ended
         first_queued = events.index(("queued", None))
         assert any(event == ("ended", i) for event in events[first_queued:] for i in range(4))
@@ -1430,6 +1437,14 @@ def test_a_bad_out_or_an_inert_flag_fails_before_any_work(tiny, tmp_path, capsys
             config.parse_config(argv)
         assert "acts in refill rounds" in capsys.readouterr().err
     config.parse_config(["--adversarial", "--max-refills", "2"])
+    for argv in (["--cuda-graphs", "--routing-replay"], ["--cuda-graphs", "--compile", "on"]):
+        with pytest.raises(SystemExit):
+            config.parse_config(argv)
+        assert "--cuda-graphs replays the eager decode step" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        proc = run_train(["--model", model_dir, "--data", data_file, "--out", str(tmp_path / "g"),
+                          "--cuda-graphs"] + BASE, check=False)
+        assert proc.returncode != 0 and "--cuda-graphs replays decode steps on a GPU" in proc.stderr
 
 
 def test_variants_that_outgrow_the_prompt_budget_are_dropped(tiny, tmp_path):
