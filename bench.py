@@ -210,8 +210,9 @@ def quarter_waves(prompts, samples, new_tokens, block_size=16):
 def bench_engine(args):
     """RL's long tail under one KV budget (about a quarter of what every row at its longest needs):
     static batching in four waves that fit it, each waiting for its longest row, against
-    the paged engine's continuous batching; and both with no budget. The same kernels and the
-    same samples (checked); the model samples near uniformly (temperature 10^4) and
+    the paged engine's continuous batching; and both with no budget (on CUDA also the engine
+    under CUDA graphs). The same kernels and the same samples (checked; in bf16 on CUDA, counted:
+    other shapes may round differently); the model samples near uniformly (temperature 10^4) and
     `long_tail_stops` draws the lengths."""
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -240,14 +241,17 @@ def bench_engine(args):
                 out += generate(model, wave, seed=[7 * 1_000_003 + start + i
                                                    for i in range(len(wave))], **sampling)
             return out
-        budget = budget_blocks * block_bytes / 2**30 if name == "paged, budget" else None
+        budget = budget_blocks * block_bytes / 2**30 if name.startswith("paged, budget") else None
         return generate(model, prompts, seed=7, kv_budget=budget, stats=stats.setdefault(name, {}),
-                        **sampling)
-    names = ["static waves", "paged, budget", "paged, no budget"]
+                        cuda_graphs=name.endswith("CUDA graphs"), **sampling)
+    names = ["static waves", "paged, budget", "paged, no budget"] + (
+        ["paged, budget, CUDA graphs"] if device.type == "cuda" else [])
     outputs = {name: run(name) for name in names}  # warm-up, and the samples compared
     tokens = sum(len(c.tokens) for c in outputs[names[0]])
     for name in names[1:]:
-        assert [c.tokens for c in outputs[name]] == [c.tokens for c in outputs[names[0]]], name
+        same = sum(a.tokens == b.tokens for a, b in zip(outputs[name], outputs[names[0]]))
+        assert device.type == "cuda" or same == len(outputs[name]), name
+        print(f"  {name}: {same} of {len(outputs[name])} rows the static waves' tokens")
     times = {name: [] for name in names}
     for _ in range(args.repeats):
         for name in names:
@@ -260,7 +264,8 @@ def bench_engine(args):
         held = budget_blocks if name == "static waves" else stats[name]["pool_blocks"]
         extra = (f", peak {stats[name]['peak_blocks']} in use, {stats[name]['preemptions']} "
                  f"preemptions" if name in stats else "")
-        print(f"  {name:17s} {rate:7.0f} tok/s  {rate * statistics.median(times[names[0]]) / tokens:5.2f}x"
+        ratio = rate * statistics.median(times[names[0]]) / tokens
+        print(f"  {name:26s} {rate:7.0f} tok/s  {ratio:5.2f}x"
               f"  KV pool {held * block_bytes / 2**20:6.0f} MiB{extra}")
 
 

@@ -434,7 +434,8 @@ def test_length_finish(tiny):
                                           (["sampler", "--model", "/no/such/model"], "/no/such/model"),
                                           (["sampler", "--device", "mps"], "runs on cpu or cuda"),
                                           (["sampler", "--threads", "-1"], "--threads must be"),
-                                          (["update", "--paths", "ours,vllm"], "--paths: 'vllm'")])
+                                          (["update", "--paths", "ours,vllm"], "--paths: 'vllm'"),
+                                          (["refills", "--rounds", "0"], "--repeats and --rounds >= 1")])
 @pytest.mark.slow
 def test_bench_flags_are_checked_before_any_work(flags, named):
     import subprocess
@@ -444,6 +445,21 @@ def test_bench_flags_are_checked_before_any_work(flags, named):
     proc = subprocess.run([sys.executable, str(root / "bench.py")] + flags,
                           capture_output=True, text=True, cwd=root, timeout=120)
     assert proc.returncode == 2 and named in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_bench_refills_runs_and_checks_its_samples(smollm2):
+    """`python bench.py refills` on the bundled model, a few tokens: the rounds one after another
+    and in one queue draw the same samples (the bench asserts it) and each prints its rate."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "bench.py"), "refills", "--prompts", "2",
+                           "--samples", "2", "--new-tokens", "8", "--rounds", "3", "--repeats", "1",
+                           "--threads", "1"], capture_output=True, text=True, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "3 rounds of 2 prompts x 2 samples" in proc.stdout and "one queue" in proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------
