@@ -268,20 +268,24 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
         for index in engine.groups_ended():
             more = on_group(index, [row.completion() for row in engine.groups[index]]) \
                 if on_group else None
-            if more:  # checked as the call's own prompts are
-                added, added_counts, added_seeds = more
-                if not isinstance(added_seeds, (list, tuple)):  # an int would repeat streams
-                    raise ValueError(f"generate: on_group's seeds must be one int per prompt, "
-                                     f"got {added_seeds!r}")
-                added_counts, added_seeds = _check_inputs(model, added, added_counts, max_new_tokens,
-                                                          temperature, top_p, top_k, check_every,
-                                                          added_seeds)
-                refuse_unfit(added, max_new_tokens, block_size, engine.cache.block_bytes,
-                             engine.pool.size)
-                engine.add(added, added_counts, added_seeds, max_new_tokens)
+            if more:
+                queue_more(engine, more, max_new_tokens, sampling, check_every)
     if stats is not None:
         stats.update(engine.counts())
     return [row.completion() for row in engine.rows]
+
+
+def queue_more(engine, more, max_new_tokens, sampling, check_every):
+    """Queues what on_group returned, (prompts, num_samples, seeds), checked as a call's own
+    prompts are (and its seeds one per prompt: an int would repeat the first prompts' streams)."""
+    prompts, counts, seeds = more
+    if not isinstance(seeds, (list, tuple)):
+        raise ValueError(f"generate: on_group's seeds must be one int per prompt, got {seeds!r}")
+    counts, seeds = _check_inputs(engine.model, prompts, counts, max_new_tokens, *sampling.values(),
+                                  check_every, seeds)
+    refuse_unfit(prompts, max_new_tokens, engine.block_size, engine.cache.block_bytes,
+                 engine.pool.size)
+    engine.add(prompts, counts, seeds, max_new_tokens)
 
 
 @dataclass

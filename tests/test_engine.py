@@ -163,6 +163,10 @@ def test_added_prompts_are_checked_like_the_first(tiny):
     kw = dict(max_new_tokens=40, kv_budget=budget(model, 5))  # the pool: 4, what the first needs
     with pytest.raises(ValueError, match="num_samples must be an int >= 1"):
         generate(model, [[5] * 3], on_group=lambda i, c: ([[6] * 3], [0], [1]), **kw)
+    with pytest.raises(ValueError, match="on_group's seeds must be one int per prompt, got 3"):
+        generate(model, [[5] * 3], on_group=lambda i, c: ([[6] * 3], [1], 3), **kw)
+    with pytest.raises(ValueError, match="generate: prompt 0 is empty"):
+        generate(model, [[5] * 3], on_group=lambda i, c: ([[]], [1], [1]), **kw)
     with pytest.raises(ValueError, match=r"needs 5 blocks of 16 positions .* holds 4 blocks"):
         generate(model, [[5] * 3], on_group=lambda i, c: ([[6] * 30], [1], [1]), **kw)
 
