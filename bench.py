@@ -63,6 +63,16 @@ def bench_prompts(tokenizer, count):
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
+def first_call(paths, name, call):
+    """call() -> its result; if it raises, the error is printed and `name` leaves `paths` (a
+    dict or list), so that one failing path costs a GPU lease none of the others' figures."""
+    try:
+        return call()
+    except Exception as error:  # noqa: BLE001 (any failure: reported, the rest measured)
+        print(f"  {name}: failed, left out: {type(error).__name__}: {error}", flush=True)
+        paths.pop(name) if isinstance(paths, dict) else paths.remove(name)
+
+
 def timed(run, device):
     sync(device)
     start = time.perf_counter()
@@ -126,15 +136,19 @@ def bandwidth_bound(model: Transformer, rows: int, context: float) -> float:
     """Decode's memory-bandwidth bound in tok/s: a step reads every weight once (the tied or
     untied output matrix in full) and each row's keys and values so far, `context` positions on
     average; the device's bandwidth is measured here by a 1 GiB copy (bytes read + written)."""
-    src = torch.empty(2 ** 29, dtype=torch.bfloat16, device=model.device)
-    dst = torch.empty_like(src)
-    seconds = min(timed(lambda: dst.copy_(src), model.device) for _ in range(5))
-    bytes_per_s = 2 * src.nbytes / seconds
+    bytes_per_s = measured_bandwidth(model.device)
     weights = sum(p.nbytes for p in model.parameters())
     kv = rows * context * PagedKVCache.bytes_per_block(model.config, 1, model.dtype)
     print(f"  bandwidth measured {bytes_per_s / 1e12:.2f} TB/s; a step reads {weights / 1e9:.2f} GB "
           f"of weights and {kv / 1e9:.2f} GB of keys and values")
     return rows * bytes_per_s / (weights + kv)
+
+
+def measured_bandwidth(device) -> float:
+    """Bytes/s of a 1 GiB copy on `device`, bytes read + written (the best of 5)."""
+    src = torch.empty(2 ** 29, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / min(timed(lambda: dst.copy_(src), device) for _ in range(5))
 
 
 def bench_sampler(args):
@@ -162,11 +176,12 @@ def bench_sampler(args):
                                                   dtype=dtype).to(device).eval()
         hf.generation_config.pad_token_id = tokenizer.pad_token_id or 0
         paths = bench_paths(ours, hf, prompts, args)
-        baseline = "transformers eager" if "hf" in args.paths else next(iter(paths))
         first = {}
-        for name, run in paths.items():  # compiles here; printed at once, as it can take minutes
-            first[name] = timed(run, device)
-            print(f"  {name}: first call {first[name]:.1f} s", flush=True)
+        for name, run in list(paths.items()):  # compiles here; printed at once: it can take minutes
+            first[name] = first_call(paths, name, lambda: timed(run, device))
+            if name in paths:
+                print(f"  {name}: first call {first[name]:.1f} s", flush=True)
+        baseline = "transformers eager" if "transformers eager" in paths else next(iter(paths))
         times = {name: [] for name in paths}
         for _ in range(args.repeats):  # alternate, so drift hits every path alike
             for name, run in paths.items():
@@ -208,12 +223,13 @@ def quarter_waves(prompts, samples, new_tokens, block_size=16):
 
 
 def bench_engine(args):
-    """RL's long tail under one KV budget (about a quarter of what every row at its longest needs):
-    static batching in four waves that fit it, each waiting for its longest row, against
-    the paged engine's continuous batching; and both with no budget (on CUDA also the engine
-    under CUDA graphs). The same kernels and the same samples (checked; in bf16 on CUDA, counted:
-    other shapes may round differently); the model samples near uniformly (temperature 10^4) and
-    `long_tail_stops` draws the lengths."""
+    """RL's long tail. On a CPU, under one KV budget (about a quarter of what every row at its
+    longest needs): static batching in four waves that fit it, each waiting for its longest row,
+    against the paged engine's continuous batching; and the engine with no budget. On CUDA, all
+    rows at once: the engine eager and under CUDA graphs against transformers' generate (its
+    batch waits for its longest row) and the memory-bandwidth bound. Our paths draw the same
+    samples (checked; in bf16 on CUDA, counted: other shapes may round differently); the model
+    samples near uniformly (temperature 10^4) and `long_tail_stops` draws the lengths."""
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
@@ -229,44 +245,102 @@ def bench_engine(args):
           f"(5% of rows at the limit), {where}; KV budget {budget_blocks} blocks of 16 "
           f"({budget_blocks * block_bytes / 2**20:.0f} MiB, 1/4 of {static}); waves of "
           f"{[len(w) * G for w in waves]} rows")
-    sampling = dict(num_samples=G, max_new_tokens=N, temperature=1e4, stop_token_ids=stops,
-                    compile=False)
     stats = {}
 
-    def run(name):
+    def run(name, new_tokens=N):
+        sampling = dict(num_samples=G, max_new_tokens=new_tokens, temperature=1e4,
+                        stop_token_ids=stops, compile=False)
+        if name == "transformers":
+            return hf_long_tail(hf, prompts, G, new_tokens, stops)
         if name == "static waves":
             out = []
             for w, wave in enumerate(waves):
                 start = sum(len(v) for v in waves[:w])
                 out += generate(model, wave, seed=[7 * 1_000_003 + start + i
                                                    for i in range(len(wave))], **sampling)
-            return out
+            return [c.tokens for c in out]
         budget = budget_blocks * block_bytes / 2**30 if name.startswith("paged, budget") else None
-        return generate(model, prompts, seed=7, kv_budget=budget, stats=stats.setdefault(name, {}),
-                        cuda_graphs=name.endswith("CUDA graphs"), **sampling)
-    names = ["static waves", "paged, budget", "paged, no budget"] + (
-        ["paged, budget, CUDA graphs"] if device.type == "cuda" else [])
-    outputs = {name: run(name) for name in names}  # warm-up, and the samples compared
-    tokens = sum(len(c.tokens) for c in outputs[names[0]])
-    for name in names[1:]:
-        same = sum(a.tokens == b.tokens for a, b in zip(outputs[name], outputs[names[0]]))
-        assert device.type == "cuda" or same == len(outputs[name]), name
-        print(f"  {name}: {same} of {len(outputs[name])} rows the static waves' tokens")
-    times = {name: [] for name in names}
-    for _ in range(args.repeats):
+        out = generate(model, prompts, seed=7, kv_budget=budget, stats=stats.setdefault(name, {}),
+                       cuda_graphs=name.endswith("CUDA graphs"), **sampling)
+        return [c.tokens for c in out]
+    if device.type == "cuda":
+        hf = hf_model(args.model, dtype, device, tokenizer)
+        names = ["paged", "paged, CUDA graphs", "transformers"]
+    else:
+        names = ["static waves", "paged, budget", "paged, no budget"]
+    for name in list(names):  # warm-up: kernels chosen, libraries loaded
+        first_call(names, name, lambda: run(name, new_tokens=8))
+    outputs, times = {}, {name: [] for name in names}
+    for _ in range(args.repeats):  # alternated, so that a slower moment of the machine hits all
         for name in names:
-            times[name].append(timed(lambda: run(name), device))
-    lengths = sorted(len(c.tokens) for c in outputs[names[0]])
-    print(f"{tokens} tokens; lengths: median {lengths[len(lengths) // 2]}, "
+            sync(device)
+            begin = time.perf_counter()
+            outputs[name] = run(name)
+            sync(device)
+            times[name].append(time.perf_counter() - begin)
+    report_engine(outputs, times, stats, N, budget_blocks, block_bytes, exact=device.type == "cpu")
+    if device.type == "cuda":
+        print(f"  memory-bandwidth bound {long_tail_bound(model, prompts, G, outputs[names[0]]):.0f} "
+              f"tok/s (the engine's lengths)")
+
+
+def report_engine(outputs, times, stats, N, budget_blocks, block_bytes, exact):
+    """Rows with the first path's tokens (all of them where `exact`), the lengths, and each
+    path's tok/s (of its own tokens: transformers draws other samples) against the first's."""
+    names = list(outputs)
+    ours = [name for name in names if name != "transformers"]
+    for name in ours[1:]:
+        same = sum(a == b for a, b in zip(outputs[name], outputs[ours[0]]))
+        assert not exact or same == len(outputs[name]), name
+        print(f"  {name}: {same} of {len(outputs[name])} rows the {ours[0]} path's tokens")
+    lengths = sorted(map(len, outputs[ours[0]]))
+    print(f"{sum(lengths)} tokens; lengths: median {lengths[len(lengths) // 2]}, "
           f"{sum(n == N for n in lengths)} of {len(lengths)} at the limit")
+    first = sum(map(len, outputs[names[0]])) / statistics.median(times[names[0]])
     for name in names:
-        rate = tokens / statistics.median(times[name])
-        held = budget_blocks if name == "static waves" else stats[name]["pool_blocks"]
+        rate = sum(map(len, outputs[name])) / statistics.median(times[name])
+        held = stats[name]["pool_blocks"] if name in stats else budget_blocks
+        pool = f"KV pool {held * block_bytes / 2**20:6.0f} MiB" if name != "transformers" else ""
         extra = (f", peak {stats[name]['peak_blocks']} in use, {stats[name]['preemptions']} "
                  f"preemptions" if name in stats else "")
-        ratio = rate * statistics.median(times[names[0]]) / tokens
-        print(f"  {name:26s} {rate:7.0f} tok/s  {ratio:5.2f}x"
-              f"  KV pool {held * block_bytes / 2**20:6.0f} MiB{extra}")
+        print(f"  {name:26s} {rate:7.0f} tok/s  {rate / first:5.2f}x  {pool}{extra}")
+
+
+def hf_model(path, dtype, device, tokenizer):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path or converted_dir(), dtype=dtype).to(device).eval()
+    hf.generation_config.pad_token_id = tokenizer.pad_token_id or 0
+    return hf
+
+
+def hf_long_tail(hf, prompts, samples, new_tokens, stops):
+    """transformers' generate on every row at once, ending a row at any of `stops` -> each
+    row's tokens up to and including its stop."""
+    device, pad = hf.device, hf.generation_config.pad_token_id
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    starts = torch.tensor([width - len(p) for p in prompts], device=device)
+    mask = torch.arange(width, device=device)[None] >= starts[:, None]  # (N, P) left padding
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask.long(), do_sample=True, temperature=1e4,
+                          top_k=0, top_p=1.0, max_new_tokens=new_tokens, eos_token_id=stops,
+                          num_return_sequences=samples)
+    rows, stop = out[:, width:].tolist(), set(stops)
+    return [r[:next((i + 1 for i, t in enumerate(r) if t in stop), len(r))] for r in rows]
+
+
+def long_tail_bound(model, prompts, samples, rows_tokens) -> float:
+    """tok/s at the memory-bandwidth bound for these lengths: every step reads each weight once
+    and the longest row needs one step a token; a row's t-th token reads its prompt + t keys and
+    values."""
+    bytes_per_s = measured_bandwidth(model.device)
+    weights = sum(p.nbytes for p in model.parameters())
+    per_position = PagedKVCache.bytes_per_block(model.config, 1, model.dtype)
+    lengths = [len(r) for r in rows_tokens]
+    prompt_of_row = [len(p) for p in prompts for _ in range(samples)]
+    kv = sum(n * (P + (n - 1) / 2) for P, n in zip(prompt_of_row, lengths)) * per_position
+    seconds = (max(lengths) * weights + kv) / bytes_per_s
+    return sum(lengths) / seconds
 
 
 def bench_refills(args):

