@@ -160,9 +160,10 @@ def sampling_flags(g):
                         "it wait or are preempted and recomputed, the samples unchanged")
     g.add_argument("--max-rows", type=int, default=0,
                    help="most rows the sampler runs at once (0: all of a rank's rows)")
-    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the sampler's decode steps as CUDA graphs, one per bucket of rows "
-                        "(cuda_graphs.py; off until measured on a GPU; not with an MoE)")
+                        "and blocks (cuda_graphs.py; default: on a GPU, unless an MoE, "
+                        "--routing-replay or --compile on)")
     g.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,
                    help="DAPO eq. 11: drop groups whose answers are all right or all wrong, refill")
     g.add_argument("--max-refills", type=int, default=10, help="extra rollout rounds per step")
@@ -398,8 +399,8 @@ def check_config(args, parser):
                 not (value is None and action.default is None):  # e.g. --template: set later
             fail(action.dest, f"one of {', '.join(map(str, action.choices))}")
         if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)) \
-                and not isinstance(value, bool):
-            fail(action.dest, "true or false")
+                and not isinstance(value, bool) and not (value is None and action.default is None):
+            fail(action.dest, "true or false")  # (None: auto, e.g. --cuda-graphs)
     for key in POSITIVE_INTS + NONNEGATIVE_INTS + ["samples"]:
         value, low = getattr(args, key), 0 if key in NONNEGATIVE_INTS else 1
         if value is None and key == "checkpoint_every":  # set by on_device
@@ -552,6 +553,17 @@ def compile_choice(args):
     return {"auto": None, "on": True, "off": False}[getattr(args, "compile", "auto")]
 
 
+def graphs_choice(args, cuda: bool) -> bool:
+    """--cuda-graphs as rollout.generate's `cuda_graphs` for a run on CUDA or not: as asked, or
+    (auto) on CUDA unless --routing-replay or --compile on; an MoE's step stays eager in
+    rollout.step_function. Runs configured before the flag existed mean off. On by default since
+    measured: 3-4x the eager decode on RL's long tail (MEASUREMENTS.md, "On a GPU")."""
+    choice = getattr(args, "cuda_graphs", False)
+    if choice is not None:
+        return choice
+    return cuda and not args.routing_replay and compile_choice(args) is not True
+
+
 def compiles_update(args, model) -> bool:
     """--compile for the update's forward and backward (speed.compile_blocks): on unless off, as
     it wins on both devices (MEASUREMENTS.md, "The update"), where it can run (a CPU needs a C++
@@ -631,7 +643,7 @@ def sampling_options(args, stop_ids):
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                 stop_token_ids=stop_ids, compile=compile_choice(args),
                 record_routing=args.routing_replay, kv_budget=args.kv_budget or None,
-                max_rows=args.max_rows or None, cuda_graphs=getattr(args, "cuda_graphs", False))
+                max_rows=args.max_rows or None, cuda_graphs=graphs_choice(args, args.device.type == "cuda"))
 
 
 def reward_options(args, completion):

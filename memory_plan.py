@@ -138,9 +138,10 @@ def kv_bytes_per_position(cfg: ModelConfig, bf16: bool) -> int:
 def plan(cfg: ModelConfig, *, world: int, distributed: bool, fsdp: bool, bf16: bool,
          lora_rank: int, reference: bool, rows: int, longest_row: int, micro_batch_size: int,
          micro_batch_tokens: int, checkpointing: bool, kv_budget: float = 0.0,
-         capacity: float | None = None) -> list[Term]:
+         capacity: float | None = None, cuda_graphs: bool = False) -> list[Term]:
     """The terms of one rank's memory: `rows` its rollout rows a step, `capacity` the device's
-    bytes where known (the KV pool then holds what is left, as rollout.pool_blocks sizes it)."""
+    bytes where known (the KV pool then holds what is left, as rollout.pool_blocks sizes it),
+    `cuda_graphs` whether the decode steps replay as CUDA graphs (their pool is memory apart)."""
     P, trained = parameter_counts(cfg, lora_rank)
     split = world if fsdp else 1  # FSDP2 shards weights, gradients and optimizer state
     over = f" / {world} ranks" if fsdp else ""
@@ -167,9 +168,11 @@ def plan(cfg: ModelConfig, *, world: int, distributed: bool, fsdp: bool, bf16: b
     terms.append(Term("update", "activations",
                       activation_bytes(cfg, tokens, micro_rows, longest_row, bf16, checkpointing),
                       f"{tokens:,} tokens, {how}"))
-    logits = Term("rollout", "decode logits", rows * cfg.vocab_size * 12, f"{rows} rows x V x 12 B")
-    terms += [kv_pool(cfg, terms + [logits], rows, longest_row, bf16, kv_budget, capacity), logits]
-    return terms
+    rollout = [Term("rollout", "decode logits", rows * cfg.vocab_size * 12, f"{rows} rows x V x 12 B")]
+    if cuda_graphs:  # the graphs' own pool holds the step's intermediates once more
+        rollout.append(Term("rollout", "CUDA graphs", rows * cfg.vocab_size * 12,
+                            f"{rows} rows x V x 12 B again"))
+    return terms + [kv_pool(cfg, terms + rollout, rows, longest_row, bf16, kv_budget, capacity)] + rollout
 
 
 def kv_pool(cfg, terms, rows, longest_row, bf16, kv_budget, capacity) -> Term:
@@ -232,7 +235,7 @@ def for_run(args, cfg: ModelConfig, *, world: int, distributed: bool, cuda: bool
                  longest_row=longest_row, micro_batch_size=args.micro_batch_size,
                  micro_batch_tokens=args.micro_batch_tokens, kv_budget=args.kv_budget,
                  checkpointing=config.checkpoints_activations(args, parameters, cuda),
-                 capacity=capacity)
+                 capacity=capacity, cuda_graphs=config.graphs_choice(args, cuda) and not cfg.num_experts)
     return terms, longest_row, bf16
 
 

@@ -1441,6 +1441,14 @@ def test_a_bad_out_or_an_inert_flag_fails_before_any_work(tiny, tmp_path, capsys
         with pytest.raises(SystemExit):
             config.parse_config(argv)
         assert "--cuda-graphs replays the eager decode step" in capsys.readouterr().err
+    # default (auto): on a GPU only, and not where the step must stay eager
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for argv, device, on in [([], cuda, True), ([], cpu, False), (["--routing-replay"], cuda, False),
+                             (["--compile", "on"], cuda, False), (["--no-cuda-graphs"], cuda, False),
+                             (["--compile", "off"], cuda, True)]:
+        args, _ = config.parse_config(argv)
+        config.on_device(args, device)
+        assert config.sampling_options(args, [])["cuda_graphs"] is on, (argv, device)
     if not torch.cuda.is_available():
         proc = run_train(["--model", model_dir, "--data", data_file, "--out", str(tmp_path / "g"),
                           "--cuda-graphs"] + BASE, check=False)
