@@ -553,14 +553,16 @@ def compile_choice(args):
     return {"auto": None, "on": True, "off": False}[getattr(args, "compile", "auto")]
 
 
-def graphs_choice(args, cuda: bool) -> bool:
-    """--cuda-graphs as rollout.generate's `cuda_graphs` for a run on CUDA or not: as asked, or
-    (auto) on CUDA unless --routing-replay or --compile on; an MoE's step stays eager in
-    rollout.step_function. Runs configured before the flag existed mean off. On by default since
-    measured: 3-4x the eager decode on RL's long tail (MEASUREMENTS.md, "On a GPU")."""
+def graphs_choice(args, cuda: bool | None = None) -> bool:
+    """--cuda-graphs as rollout.generate's `cuda_graphs` for a run on CUDA or not (None: on
+    args.device): as asked, or (auto) on CUDA unless --routing-replay or --compile on; an MoE's
+    step stays eager in rollout.step_function. Runs configured before the flag existed mean off.
+    On by default since measured: 3-4x the eager decode on RL's long tail (MEASUREMENTS.md,
+    "On a GPU")."""
     choice = getattr(args, "cuda_graphs", False)
     if choice is not None:
         return choice
+    cuda = args.device.type == "cuda" if cuda is None else cuda
     return cuda and not args.routing_replay and compile_choice(args) is not True
 
 
@@ -643,7 +645,7 @@ def sampling_options(args, stop_ids):
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                 stop_token_ids=stop_ids, compile=compile_choice(args),
                 record_routing=args.routing_replay, kv_budget=args.kv_budget or None,
-                max_rows=args.max_rows or None, cuda_graphs=graphs_choice(args, args.device.type == "cuda"))
+                max_rows=args.max_rows or None, cuda_graphs=graphs_choice(args))
 
 
 def reward_options(args, completion):
