@@ -1,9 +1,10 @@
 """Another checkout's sampler against this one's, side by side in one process, on the bundled
-model: tok/s of rollout.generate (eager, packed products, as train.py samples) and whether the
-two draw the same tokens.
+model: tok/s of rollout.generate (eager, packed products, in the dtype train.py samples in here)
+and whether the two draw the same tokens.
 
     git worktree add /tmp/before <commit>
     python recipes/sampler-ab.py /tmp/before [--prompts 8 --samples 8 --new-tokens 64 --stops]
+        [--dtype float32]
 
 Each checkout's model.py, moe.py, rollout.py and checkpoints.py are imported on their own (speed.py
 once: its op registers once per process); the runs alternate, after a warm-up call of each.
@@ -44,16 +45,20 @@ def main():
     parser.add_argument("--stops", action="store_true", help="stop at the chat template's end of "
                         "turn (replies of their own lengths) instead of running to the limit")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="the sampler's weights (default: train.py's choice on this CPU)")
     args = parser.parse_args()
     if not os.path.isfile(os.path.join(args.before, "rollout.py")):
         parser.error(f"{args.before}: no rollout.py there; give a checkout of this repository")
     sys.path.insert(0, HERE)
     import bench  # noqa: E402 (this checkout's; speed.py comes with it, once)
+    from checkpoints import cpu_has_bf16
     from speed import pack_linears
+    dtype = getattr(torch, args.dtype or ("bfloat16" if cpu_has_bf16() else "float32"))
     paths = {}
     for name, path in (("before", os.path.abspath(args.before)), ("this", HERE)):
         modules = import_checkout(path)
-        model, tokenizer = modules["checkpoints"].load_model(None, dtype=torch.float32, device="cpu")
+        model, tokenizer = modules["checkpoints"].load_model(None, dtype=dtype, device="cpu")
         stops = modules["rollout"].stop_token_ids(tokenizer) if args.stops else []
         paths[name] = (modules["rollout"].generate, pack_linears(model), stops)
     prompts = bench.bench_prompts(tokenizer, args.prompts)
@@ -69,7 +74,7 @@ def main():
                 tokens[name].append([c.tokens for c in out])
     drawn = [sum(map(len, run)) for run in tokens["this"]]
     print(f"{args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
-          f"stops {'on' if args.stops else 'off'}, {bench.cpu_name()}, "
+          f"stops {'on' if args.stops else 'off'}, {str(dtype)[6:]}, {bench.cpu_name()}, "
           f"{torch.get_num_threads()} threads; tokens a run {drawn}")
     for name in paths:
         median = statistics.median(times[name])
