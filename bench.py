@@ -241,10 +241,11 @@ def bench_engine(args):
     block_bytes = PagedKVCache.bytes_per_block(model.config, 16, dtype)
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{cpu_name()}, {torch.get_num_threads()} threads")
+    setting = (f"KV budget {budget_blocks} blocks of 16 ({budget_blocks * block_bytes / 2**20:.0f} "
+               f"MiB, 1/4 of {static}); waves of {[len(w) * G for w in waves]} rows"
+               if device.type == "cpu" else "all rows at once")
     print(f"{len(prompts)} prompts x {G} samples, up to {N} new tokens, {len(stops)} stop ids "
-          f"(5% of rows at the limit), {where}; KV budget {budget_blocks} blocks of 16 "
-          f"({budget_blocks * block_bytes / 2**20:.0f} MiB, 1/4 of {static}); waves of "
-          f"{[len(w) * G for w in waves]} rows")
+          f"(5% of rows at the limit), {where}; {setting}")
     stats = {}
 
     def run(name, new_tokens=N):
@@ -253,12 +254,7 @@ def bench_engine(args):
         if name == "transformers":
             return hf_long_tail(hf, prompts, G, new_tokens, stops)
         if name == "static waves":
-            out = []
-            for w, wave in enumerate(waves):
-                start = sum(len(v) for v in waves[:w])
-                out += generate(model, wave, seed=[7 * 1_000_003 + start + i
-                                                   for i in range(len(wave))], **sampling)
-            return [c.tokens for c in out]
+            return static_waves(model, waves, sampling)
         budget = budget_blocks * block_bytes / 2**30 if name.startswith("paged, budget") else None
         out = generate(model, prompts, seed=7, kv_budget=budget, stats=stats.setdefault(name, {}),
                        cuda_graphs=name.endswith("CUDA graphs"), **sampling)
@@ -282,6 +278,17 @@ def bench_engine(args):
     if device.type == "cuda":
         print(f"  memory-bandwidth bound {long_tail_bound(model, prompts, G, outputs[names[0]]):.0f} "
               f"tok/s (the engine's lengths)")
+
+
+def static_waves(model, waves, sampling):
+    """Each wave of prompts in a call of its own, with the seeds the whole batch's call gives
+    them (so the same samples) -> each row's tokens."""
+    out = []
+    for w, wave in enumerate(waves):
+        start = sum(len(v) for v in waves[:w])
+        out += generate(model, wave, seed=[7 * 1_000_003 + start + i for i in range(len(wave))],
+                        **sampling)
+    return [c.tokens for c in out]
 
 
 def report_engine(outputs, times, stats, N, budget_blocks, block_bytes, exact):
