@@ -3,7 +3,8 @@ never absolute times, compare across machines; every report names its CPU or GPU
 
     python bench.py sampler   # rollout.generate eager and compiled vs transformers' generate eager
                               # and static-cache compiled: tok/s, ratios, matmul-only bound, compile
-    python bench.py engine    # RL's long tail under a KV budget: static waves vs the paged engine
+    python bench.py engine    # RL's long tail: under a KV budget, static waves vs the paged engine;
+                              # on CUDA, the engine eager and under CUDA graphs vs transformers
     python bench.py refills   # dynamic sampling's rounds one after another vs in one queue
     python bench.py update    # forward + backward + AdamW tok/s (fp32, bf16 autocast), log-prob memory
     python bench.py moe       # a small Qwen3-MoE's forward + backward tok/s
@@ -70,7 +71,10 @@ def first_call(paths, name, call):
         return call()
     except Exception as error:  # noqa: BLE001 (any failure: reported, the rest measured)
         print(f"  {name}: failed, left out: {type(error).__name__}: {error}", flush=True)
-        paths.pop(name) if isinstance(paths, dict) else paths.remove(name)
+        if isinstance(paths, dict):
+            del paths[name]
+        else:
+            paths.remove(name)
 
 
 def timed(run, device):
@@ -181,6 +185,8 @@ def bench_sampler(args):
             first[name] = first_call(paths, name, lambda: timed(run, device))
             if name in paths:
                 print(f"  {name}: first call {first[name]:.1f} s", flush=True)
+        if not paths:
+            continue  # every path failed (each reported)
         baseline = "transformers eager" if "transformers eager" in paths else next(iter(paths))
         times = {name: [] for name in paths}
         for _ in range(args.repeats):  # alternate, so drift hits every path alike
@@ -266,18 +272,34 @@ def bench_engine(args):
         names = ["static waves", "paged, budget", "paged, no budget"]
     for name in list(names):  # warm-up: kernels chosen, libraries loaded
         first_call(names, name, lambda: run(name, new_tokens=8))
-    outputs, times = {}, {name: [] for name in names}
-    for _ in range(args.repeats):  # alternated, so that a slower moment of the machine hits all
-        for name in names:
-            sync(device)
-            begin = time.perf_counter()
-            outputs[name] = run(name)
-            sync(device)
-            times[name].append(time.perf_counter() - begin)
-    report_engine(outputs, times, stats, N, budget_blocks, block_bytes, exact=device.type == "cpu")
+    outputs, times = timed_paths(names, run, args.repeats, device)
+    ours = [name for name in names if name != "transformers"]
+    if not ours:
+        return print("  no path of ours ran")
+    report_engine(outputs, times, ours[0], stats, N, budget_blocks, block_bytes,
+                  exact=device.type == "cpu")
     if device.type == "cuda":
-        print(f"  memory-bandwidth bound {long_tail_bound(model, prompts, G, outputs[names[0]]):.0f} "
+        print(f"  memory-bandwidth bound {long_tail_bound(model, prompts, G, outputs[ours[0]]):.0f} "
               f"tok/s (the engine's lengths)")
+
+
+def timed_paths(names, run, repeats, device):
+    """Each path's output and wall times over `repeats` alternated runs (so that a slower moment
+    of the machine hits all) -> (outputs, times); a path that fails leaves `names`, reported."""
+    def measured(name):
+        sync(device)
+        begin = time.perf_counter()
+        out = run(name)
+        sync(device)
+        return out, time.perf_counter() - begin
+    outputs, times = {}, {name: [] for name in names}
+    for _ in range(repeats):
+        for name in list(names):
+            result = first_call(names, name, lambda: measured(name))
+            if result is not None:
+                outputs[name] = result[0]
+                times[name].append(result[1])
+    return {n: outputs[n] for n in names}, {n: times[n] for n in names}
 
 
 def static_waves(model, waves, sampling):
@@ -291,20 +313,19 @@ def static_waves(model, waves, sampling):
     return [c.tokens for c in out]
 
 
-def report_engine(outputs, times, stats, N, budget_blocks, block_bytes, exact):
-    """Rows with the first path's tokens (all of them where `exact`), the lengths, and each
-    path's tok/s (of its own tokens: transformers draws other samples) against the first's."""
-    names = list(outputs)
-    ours = [name for name in names if name != "transformers"]
-    for name in ours[1:]:
-        same = sum(a == b for a, b in zip(outputs[name], outputs[ours[0]]))
-        assert not exact or same == len(outputs[name]), name
-        print(f"  {name}: {same} of {len(outputs[name])} rows the {ours[0]} path's tokens")
-    lengths = sorted(map(len, outputs[ours[0]]))
+def report_engine(outputs, times, reference, stats, N, budget_blocks, block_bytes, exact):
+    """Rows with the `reference` path's tokens (all of them where `exact`), its lengths, and each
+    path's tok/s (of its own tokens: transformers draws other samples) against its."""
+    for name in outputs:
+        if name not in (reference, "transformers"):
+            same = sum(a == b for a, b in zip(outputs[name], outputs[reference]))
+            assert not exact or same == len(outputs[name]), name
+            print(f"  {name}: {same} of {len(outputs[name])} rows the {reference} path's tokens")
+    lengths = sorted(map(len, outputs[reference]))
     print(f"{sum(lengths)} tokens; lengths: median {lengths[len(lengths) // 2]}, "
           f"{sum(n == N for n in lengths)} of {len(lengths)} at the limit")
-    first = sum(map(len, outputs[names[0]])) / statistics.median(times[names[0]])
-    for name in names:
+    first = sum(map(len, outputs[reference])) / statistics.median(times[reference])
+    for name in outputs:
         rate = sum(map(len, outputs[name])) / statistics.median(times[name])
         held = stats[name]["pool_blocks"] if name in stats else budget_blocks
         pool = f"KV pool {held * block_bytes / 2**20:6.0f} MiB" if name != "transformers" else ""
@@ -314,6 +335,7 @@ def report_engine(outputs, times, stats, N, budget_blocks, block_bytes, exact):
 
 
 def hf_model(path, dtype, device, tokenizer):
+    """transformers' model of the same checkpoint, for generate (its pad id set)."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(path or converted_dir(), dtype=dtype).to(device).eval()
     hf.generation_config.pad_token_id = tokenizer.pad_token_id or 0

@@ -163,7 +163,7 @@ def sampling_flags(g):
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the sampler's decode steps as CUDA graphs, one per bucket of rows "
                         "and blocks (cuda_graphs.py; default: on a GPU, unless an MoE, "
-                        "--routing-replay or --compile on)")
+                        "--routing-replay, --compile on or --quantize nf4)")
     g.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,
                    help="DAPO eq. 11: drop groups whose answers are all right or all wrong, refill")
     g.add_argument("--max-refills", type=int, default=10, help="extra rollout rounds per step")
@@ -453,9 +453,10 @@ def refuse_combinations(args, parser):
                      "needs --tis-cap C > 0")
     check_rejection(args, parser)
     check_tools(args, parser)
-    if args.cuda_graphs and (args.routing_replay or args.compile == "on"):
+    if args.cuda_graphs and (args.routing_replay or args.compile == "on" or args.quantize != "none"):
         parser.error("--cuda-graphs replays the eager decode step: not with --routing-replay "
-                     "(recorded on the host) or --compile on (one or the other)")
+                     "(recorded on the host), --compile on (one or the other) or --quantize nf4 "
+                     "(it copies a host table each step)")
     if args.tis_floor and args.tis_mode != "mask":
         parser.error(f"--tis-floor {args.tis_floor:g} bounds the kept ratios of --tis-mode mask; "
                      "--tis-mode truncate has no floor")
@@ -555,15 +556,17 @@ def compile_choice(args):
 
 def graphs_choice(args, cuda: bool | None = None) -> bool:
     """--cuda-graphs as rollout.generate's `cuda_graphs` for a run on CUDA or not (None: on
-    args.device): as asked, or (auto) on CUDA unless --routing-replay or --compile on; an MoE's
-    step stays eager in rollout.step_function. Runs configured before the flag existed mean off.
-    On by default since measured: 3-4x the eager decode on RL's long tail (MEASUREMENTS.md,
-    "On a GPU")."""
+    args.device): as asked, or (auto: the flag unset, or a resumed run's config.json without it)
+    on CUDA unless --routing-replay, --compile on or --quantize nf4 (its dequantisation copies a
+    host table each step, which a capture refuses); an MoE's step stays eager in
+    rollout.step_function. On by default since measured: about 4x the eager decode on RL's long
+    tail (MEASUREMENTS.md, "On a GPU")."""
     choice = getattr(args, "cuda_graphs", False)
     if choice is not None:
         return choice
     cuda = args.device.type == "cuda" if cuda is None else cuda
-    return cuda and not args.routing_replay and compile_choice(args) is not True
+    return (cuda and not args.routing_replay and compile_choice(args) is not True
+            and getattr(args, "quantize", "none") == "none")
 
 
 def compiles_update(args, model) -> bool:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 import config
+from cuda_graphs import bucket
 from model import ModelConfig, Transformer
 
 GIB = 2 ** 30
@@ -169,9 +170,9 @@ def plan(cfg: ModelConfig, *, world: int, distributed: bool, fsdp: bool, bf16: b
                       activation_bytes(cfg, tokens, micro_rows, longest_row, bf16, checkpointing),
                       f"{tokens:,} tokens, {how}"))
     rollout = [Term("rollout", "decode logits", rows * cfg.vocab_size * 12, f"{rows} rows x V x 12 B")]
-    if cuda_graphs:  # the graphs' own pool holds the step's intermediates once more
-        rollout.append(Term("rollout", "CUDA graphs", rows * cfg.vocab_size * 12,
-                            f"{rows} rows x V x 12 B again"))
+    if cuda_graphs:  # the graphs' own pool holds the step's intermediates again, padded rows
+        rollout.append(Term("rollout", "CUDA graphs", bucket(rows) * cfg.vocab_size * 12,
+                            f"{bucket(rows)} rows (a bucket) x V x 12 B"))
     return terms + [kv_pool(cfg, terms + rollout, rows, longest_row, bf16, kv_budget, capacity)] + rollout
 
 

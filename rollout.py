@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from cuda_graphs import BucketedStep
+from cuda_graphs import BucketedStep, bucket
 from model import PagedKVCache, Transformer
 from speed import sampling_products
 from moe import Routing
@@ -249,9 +249,11 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     if block_size < 1 or prefill_tokens < 1 or (max_rows is not None and max_rows < 1):
         raise ValueError(f"generate: need block_size, prefill_tokens and max_rows >= 1; got "
                          f"{block_size}, {prefill_tokens}, {max_rows}")
-    engine = Engine(model, pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget),
-                    block_size, max_rows or sum(counts), prefill_tokens,
-                    record_routing and model.config.num_experts > 0)
+    rows = max_rows or sum(counts)
+    graphed = cuda_graphs and not model.config.num_experts  # (an MoE's step stays eager)
+    engine = Engine(model, pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget,
+                                       rows, graphed),
+                    block_size, rows, prefill_tokens, record_routing and model.config.num_experts > 0)
     engine.add(prompts, counts, seeds, max_new_tokens)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
     step_fn = step_function(model, compile, engine.record, cuda_graphs)
@@ -354,9 +356,11 @@ class BlockPool:
                 self.free.append(block)
 
 
-def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget):
+def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, rows=None,
+                cuda_graphs=False):
     """The pool's size in blocks (the scratch block included): what every row needs at its
-    longest, no more; within kv_budget GiB when given, and on CUDA within 90% of the free memory.
+    longest, no more; within kv_budget GiB when given, and on CUDA within 90% of the memory free
+    beside the decode step's working memory (`rows` at once, all by default; `cuda_graphs`).
     A row that cannot fit alone is refused here, before any work, with the arithmetic."""
     cfg = model.config
     block_bytes = PagedKVCache.bytes_per_block(cfg, block_size, model.dtype)
@@ -364,12 +368,21 @@ def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget):
     blocks = 1 + sum(n * c for n, c in zip(longest, counts))
     budget = kv_budget * 2**30 if kv_budget is not None else None
     if model.device.type == "cuda":
-        free = 0.9 * torch.cuda.mem_get_info(model.device)[0]
+        working = decode_working_bytes(cfg, rows or sum(counts), cuda_graphs)
+        free = 0.9 * max(0, torch.cuda.mem_get_info(model.device)[0] - working)
         budget = free if budget is None else min(budget, free)
     if budget is not None:
         blocks = min(blocks, int(budget // block_bytes))
     refuse_unfit(prompts, max_new_tokens, block_size, block_bytes, blocks)
     return blocks
+
+
+def decode_working_bytes(cfg, rows, cuda_graphs=False) -> int:
+    """A decode step's memory beside the KV pool: float32 logits and two more (B, V) float32
+    tensors in sampling, 12 bytes a row a vocabulary entry; under CUDA graphs the graphs' own pool
+    holds them again, at the bucket of rows (cuda_graphs.bucket)."""
+    one = rows * cfg.vocab_size * 12
+    return one + bucket(rows) * cfg.vocab_size * 12 if cuda_graphs else one
 
 
 def refuse_unfit(prompts, max_new_tokens, block_size, block_bytes, blocks):

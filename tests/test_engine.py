@@ -124,6 +124,27 @@ def test_a_budget_16x_below_the_static_cache(tiny):
     assert_same(got, generate(model, prompts, **kw))
 
 
+def test_on_cuda_the_pool_leaves_the_decode_steps_memory_free(tiny, monkeypatch):
+    """On CUDA the pool takes 90% of the free memory less the decode step's working memory (rows
+    x V x 12 B, and again at the bucket of rows under CUDA graphs, as memory_plan counts it), so
+    a capacity-bound pool cannot starve the step's logits or the graphs' capture. (A stand-in
+    device: only torch.cuda.mem_get_info is read.)"""
+    import types
+    import rollout
+    from model import PagedKVCache
+    cfg = tiny("llama3").config
+    stand_in = types.SimpleNamespace(config=cfg, dtype=torch.bfloat16, device=torch.device("cuda"))
+    free = 2**21  # bytes: a pool bound by the device, not by the rows
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 * free))
+    block_bytes = PagedKVCache.bytes_per_block(cfg, 16, torch.bfloat16)
+    prompts, counts = [[1] * 10] * 4, [32] * 4  # 128 rows of every row at its longest: 5 blocks
+    for rows, graphs, working in [(None, False, 128 * cfg.vocab_size * 12),
+                                  (24, True, (24 + 32) * cfg.vocab_size * 12)]:
+        blocks = rollout.pool_blocks(stand_in, prompts, counts, 64, 16, None, rows, graphs)
+        assert blocks == int(0.9 * (free - working) // block_bytes) < 1 + 128 * 5, (rows, graphs)
+    assert rollout.decode_working_bytes(cfg, 24, True) == (24 + 32) * cfg.vocab_size * 12
+
+
 @pytest.mark.parametrize("limits", [dict(), dict(blocks=6, max_rows=4)])
 def test_prompts_added_as_groups_end_keep_every_sample(tiny, limits):
     """on_group (dynamic sampling's refills): prompts that join the queue while earlier rows

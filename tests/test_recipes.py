@@ -147,9 +147,9 @@ def test_a_run_stopped_before_its_first_step_is_no_zero_in_the_means():
 
 def test_gpu_check_keeps_every_finished_part_when_cut_off(tmp_path):
     """recipes/gpu-check.sh on the CPU (DEVICE=cpu, a tiny model): the tests, sampler and engine
-    parts end and their figures are in results.md at once; the update part is cut at an artificial 1-second limit and
-    says so; then the whole run is killed from outside during the next part, as a GPU lease
-    ending would kill it, and results.md still holds both parts' outcomes."""
+    parts end and their figures are in results.md at once; the update part is cut at an
+    artificial 1-second limit and says so; then the whole run is killed from outside during the
+    next part, as a GPU lease ending would kill it, and results.md still holds every outcome."""
     import signal
     import time
     from transformers import AutoTokenizer

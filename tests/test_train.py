@@ -1437,7 +1437,8 @@ def test_a_bad_out_or_an_inert_flag_fails_before_any_work(tiny, tmp_path, capsys
             config.parse_config(argv)
         assert "acts in refill rounds" in capsys.readouterr().err
     config.parse_config(["--adversarial", "--max-refills", "2"])
-    for argv in (["--cuda-graphs", "--routing-replay"], ["--cuda-graphs", "--compile", "on"]):
+    for argv in (["--cuda-graphs", "--routing-replay"], ["--cuda-graphs", "--compile", "on"],
+                 ["--cuda-graphs", "--lora-rank", "8", "--quantize", "nf4"]):
         with pytest.raises(SystemExit):
             config.parse_config(argv)
         assert "--cuda-graphs replays the eager decode step" in capsys.readouterr().err
@@ -1445,7 +1446,8 @@ def test_a_bad_out_or_an_inert_flag_fails_before_any_work(tiny, tmp_path, capsys
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     for argv, device, on in [([], cuda, True), ([], cpu, False), (["--routing-replay"], cuda, False),
                              (["--compile", "on"], cuda, False), (["--no-cuda-graphs"], cuda, False),
-                             (["--compile", "off"], cuda, True)]:
+                             (["--compile", "off"], cuda, True),
+                             (["--lora-rank", "8", "--quantize", "nf4"], cuda, False)]:
         args, _ = config.parse_config(argv)
         config.on_device(args, device)
         assert config.sampling_options(args, [])["cuda_graphs"] is on, (argv, device)
