@@ -85,16 +85,23 @@ def timed(run, device):
     return time.perf_counter() - start
 
 
+def left_padded(prompts, pad, device):
+    """Prompts as transformers' generate takes a batch -> ids (N, P) left-padded with `pad`, and
+    the mask (N, P) bool of real tokens."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    starts = torch.tensor([width - len(p) for p in prompts], device=device)
+    return ids, torch.arange(width, device=device)[None] >= starts[:, None]
+
+
 def bench_paths(ours, hf, prompts, args):
     """{name: run()}: our sampler eager, compiled and (on CUDA) under CUDA graphs, transformers'
     generate eager and with its fastest documented setup (static cache, forward through
     torch.compile), same batch."""
     device, rows = ours.device, args.prompts * args.samples
     pad = hf.generation_config.pad_token_id
-    width = max(map(len, prompts))
-    hf_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    starts = torch.tensor([width - len(p) for p in prompts], device=device)
-    hf_mask = torch.arange(width, device=device)[None] >= starts[:, None]  # (N, P) left padding
+    hf_ids, hf_mask = left_padded(prompts, pad, device)
+    width = hf_ids.shape[1]
     hf_compiled = torch.compile(hf.forward, fullgraph=True,
                                 mode="reduce-overhead" if device.type == "cuda" else None)
 
@@ -346,10 +353,8 @@ def hf_long_tail(hf, prompts, samples, new_tokens, stops):
     """transformers' generate on every row at once, ending a row at any of `stops` -> each
     row's tokens up to and including its stop."""
     device, pad = hf.device, hf.generation_config.pad_token_id
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    starts = torch.tensor([width - len(p) for p in prompts], device=device)
-    mask = torch.arange(width, device=device)[None] >= starts[:, None]  # (N, P) left padding
+    ids, mask = left_padded(prompts, pad, device)
+    width = ids.shape[1]
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=mask.long(), do_sample=True, temperature=1e4,
                           top_k=0, top_p=1.0, max_new_tokens=new_tokens, eos_token_id=stops,
