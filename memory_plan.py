@@ -36,6 +36,7 @@ import torch
 import config
 from cuda_graphs import bucket
 from model import ModelConfig, Transformer
+from rollout import decode_working_bytes
 
 GIB = 2 ** 30
 
@@ -169,9 +170,10 @@ def plan(cfg: ModelConfig, *, world: int, distributed: bool, fsdp: bool, bf16: b
     terms.append(Term("update", "activations",
                       activation_bytes(cfg, tokens, micro_rows, longest_row, bf16, checkpointing),
                       f"{tokens:,} tokens, {how}"))
-    rollout = [Term("rollout", "decode logits", rows * cfg.vocab_size * 12, f"{rows} rows x V x 12 B")]
+    step = decode_working_bytes(cfg, rows)  # what rollout.pool_blocks leaves free, too
+    rollout = [Term("rollout", "decode logits", step, f"{rows} rows x V x 12 B")]
     if cuda_graphs:  # the graphs' own pool holds the step's intermediates again, padded rows
-        rollout.append(Term("rollout", "CUDA graphs", bucket(rows) * cfg.vocab_size * 12,
+        rollout.append(Term("rollout", "CUDA graphs", decode_working_bytes(cfg, rows, True) - step,
                             f"{bucket(rows)} rows (a bucket) x V x 12 B"))
     return terms + [kv_pool(cfg, terms + rollout, rows, longest_row, bf16, kv_budget, capacity)] + rollout
 

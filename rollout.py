@@ -249,14 +249,14 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     if block_size < 1 or prefill_tokens < 1 or (max_rows is not None and max_rows < 1):
         raise ValueError(f"generate: need block_size, prefill_tokens and max_rows >= 1; got "
                          f"{block_size}, {prefill_tokens}, {max_rows}")
-    rows = max_rows or sum(counts)
-    graphed = cuda_graphs and not model.config.num_experts  # (an MoE's step stays eager)
+    rows, record = max_rows or sum(counts), record_routing and model.config.num_experts > 0
+    step_fn = step_function(model, compile, record, cuda_graphs)
+    captured = isinstance(step_fn, BucketedStep) and step_fn.capture  # graphs on a GPU
     engine = Engine(model, pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget,
-                                       rows, graphed),
-                    block_size, rows, prefill_tokens, record_routing and model.config.num_experts > 0)
+                                       rows, captured),
+                    block_size, rows, prefill_tokens, record)
     engine.add(prompts, counts, seeds, max_new_tokens)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
-    step_fn = step_function(model, compile, engine.record, cuda_graphs)
     stop_ids, steps = set(stop_token_ids), 0
     while engine.busy():
         engine.admit()
