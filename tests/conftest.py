@@ -12,6 +12,7 @@ own Qwen2Tokenizer class, which does not tokenize that text sensibly, so tests p
 """
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -26,6 +27,19 @@ FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_mm
 WINDOW = 16  # the sliding window of the tiny Mistral and Gemma checkpoints: tests run past it
 SPECIAL = ["<unk>", "<pad>", "<s>", "</s>"]  # ids 0, 1, 2, 3
 PAD_ID, BOS_ID, EOS_ID = 1, 2, 3
+
+# Under pytest-xdist (the README's `pytest -n auto`) each worker is a process of its own: one torch
+# thread each, so that the workers' thread barriers do not fight over the cores (on 2 cores, two
+# processes of two threads each run many times slower than one of one).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per CPU this process may use (xdist would count physical cores, one
+    on a 2-vCPU machine with two threads a core), at most 4 (each loads its own models)."""
+    return min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
+               os.cpu_count() or 1)
 
 # hidden 64, 2-3 layers, 4 heads, 2 KV heads, intermediate 128.
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -146,6 +160,14 @@ def hf_model(directory, **kwargs):
 # torch.compile on a CPU writes C++: the tests of compiled blocks skip where it cannot.
 needs_cpp_compiler = pytest.mark.skipif(not __import__("config").cpp_compiler_found(),
                                         reason="torch.compile on a CPU needs a C++ compiler")
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the OS picks it), for a torchrun rendezvous: two test
+    workers (pytest -n 2) never draw the same one."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def random_ids(batch, length, vocab, seed=0):

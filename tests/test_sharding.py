@@ -9,12 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from conftest import needs_cpp_compiler
+from conftest import free_port, needs_cpp_compiler
 from test_train import (ROOT, assert_close_runs, assert_same_run, digit_checkpoint, digit_data,
                         flags, kill_then_resume, metrics, run_train, torchrun)
 
@@ -120,7 +119,7 @@ def test_two_nodes_through_the_c10d_rendezvous_equal_one_process(digits, tmp_pat
     program: here two local "nodes" of one rank each meet at 127.0.0.1."""
     common = common_flags(*digits)
     run_train(common + ["--out", str(tmp_path / "one")])
-    port = str(29500 + (os.getpid() + int(time.time() * 1000)) % 2000)
+    port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1")
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),

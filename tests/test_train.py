@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import needs_cpp_compiler
+from conftest import free_port, needs_cpp_compiler
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -400,7 +400,7 @@ def test_compiling_needs_a_cpp_compiler_on_a_cpu(tiny, tmp_path, monkeypatch, ca
 
 def torchrun(nproc=2):
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_port", str(29500 + (os.getpid() + int(time.time() * 1000)) % 2000)]
+            "--master_port", str(free_port())]
 
 
 @pytest.mark.slow
