@@ -7,7 +7,8 @@ and whether the two draw the same tokens.
         [--dtype float32]
 
 Each checkout's model.py, moe.py, rollout.py and checkpoints.py are imported on their own (speed.py
-once: its op registers once per process); the runs alternate, after a warm-up call of each.
+once: its op registers once per process); the runs alternate, each first in every other round,
+after a warm-up call of each.
 """
 
 import argparse
@@ -64,7 +65,9 @@ def main():
     prompts = bench.bench_prompts(tokenizer, args.prompts)
     times, tokens = {name: [] for name in paths}, {name: [] for name in paths}
     for repeat in range(args.repeats + 1):  # the first round warms up
-        for name, (generate, model, stops) in paths.items():
+        # Each goes first in every other round: the first of a pair ran ~4% faster here.
+        for name in sorted(paths, reverse=repeat % 2 == 1):
+            generate, model, stops = paths[name]
             start = time.perf_counter()
             out = generate(model, prompts, num_samples=args.samples, temperature=0.8, seed=repeat,
                            max_new_tokens=args.new_tokens if repeat else 4, stop_token_ids=stops,
