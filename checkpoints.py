@@ -11,12 +11,18 @@ id's config.json is fetched and checked before any weight. A multimodal Gemma 3 
 written as its language model (Gemma3ForCausalLM). Tests: `python -m pytest tests/test_model.py`.
 """
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 
 import torch
+
+try:
+    import fcntl  # POSIX file locks (held_lock)
+except ImportError:
+    fcntl = None
 
 from lora import LoRALinear
 from model import ModelConfig, Transformer
@@ -436,6 +442,17 @@ def convert_gguf(gguf_path: str, out_dir: str):
     save_model(model, tokenizer, out_dir)
 
 
+@contextlib.contextmanager
+def held_lock(path):
+    """An exclusive lock on the file at path (made if missing) while inside: another process
+    waits at it. Nothing is locked where the platform has no fcntl."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 def checkpoint_directory(name_or_path=None, weights: bool = True) -> str:
     """The local checkpoint directory of name_or_path: None (the bundled SmolLM2-135M-Instruct,
     converted from its GGUF file once), a .gguf file (the same), a directory, or a hub id
@@ -446,7 +463,9 @@ def checkpoint_directory(name_or_path=None, weights: bool = True) -> str:
             raise FileNotFoundError(f"{gguf}: no such GGUF file")
         cached = converted_dir(gguf)
         if not os.path.exists(os.path.join(cached, "config.json")):
-            convert_gguf(gguf, cached)  # ~25 s, once
+            with held_lock(cached + ".lock"):  # torchrun's ranks, test workers: one converts
+                if not os.path.exists(os.path.join(cached, "config.json")):
+                    convert_gguf(gguf, cached)  # ~25 s, once
         return cached
     path = str(name_or_path)
     if os.path.isdir(path):

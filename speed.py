@@ -171,10 +171,11 @@ class DenseRowsKVCache(PagedKVCache):
     the copy, (2, Hkv, b, S, D) a layer, as it reads the gather. The paged cache alone gathers
     every row's blocks in every layer at every step: with every row running to the limit that
     copy is 7-10% of a CPU decode step (MEASUREMENTS.md, "The sampler"). The copy is made (by that
-    same gather) once the rows have stayed the same for `STABLE` steps, since rows end and join
-    often early on and each change costs a gather; it goes when they change (a prefill, a row
-    that ended or was preempted) and is made again when the rows reach a new block (S grows).
-    For eager decode steps: its check reads the block tables on the host."""
+    same gather) at the step after `STABLE` alike, since rows end and join often early on and
+    each change costs a gather; it goes when they change (a prefill chunk, a row that ended or
+    was preempted) and is made again when the tables grow a column (S grows). It holds the
+    decoding rows' keys once more (padded to the longest), beside the pool: for a CPU with no
+    KV budget. Eager steps only: its check reads the block tables on the host."""
 
     STABLE = 4  # decode steps with the same rows before the copy is kept
 
@@ -184,7 +185,8 @@ class DenseRowsKVCache(PagedKVCache):
         self.seen, self.stable = None, 0  # the last decode step's tables (b, nb); steps alike
 
     def write(self, layer, k, v):
-        if k.shape[2] > 1:  # a prefill chunk: rows join, and blocks change hands
+        if k.shape[2] > 1:  # a prefill chunk: rows join, and blocks change hands (one-token
+            # chunks go through `follow`, whose tables then differ from the decode step's)
             self.dense, self.seen, self.stable = None, None, 0
             return super().write(layer, k, v)
         if layer == 0:
@@ -200,12 +202,13 @@ class DenseRowsKVCache(PagedKVCache):
         return self.dense[layer][0], self.dense[layer][1]
 
     def follow(self, tables):
-        """Before a decode step's first layer: are they the rows of the last step (each block it
+        """Before a one-token forward's first layer: are they the rows of the last (each block it
         listed still there; a row may have taken a new block where it had padding, block 0)?
         Each decoding row owns the block it writes, so no two rows share a table. The copy stays
         only if so and S is unchanged; it is made after `STABLE` such steps."""
         old, self.seen = self.seen, tables
         same = old is not None and old.shape[0] == tables.shape[0] and \
+            old.shape[1] <= tables.shape[1] and \
             torch.equal(tables[:, :old.shape[1]].masked_fill(old == 0, 0), old)
         self.stable = self.stable + 1 if same else 0
         if not same or tables.shape[1] != old.shape[1]:

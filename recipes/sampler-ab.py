@@ -45,7 +45,8 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--stops", action="store_true", help="stop at the chat template's end of "
                         "turn (replies of their own lengths) instead of running to the limit")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=4, help="timed rounds (even: each "
+                        "checkout first in half of them)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="the sampler's weights (default: train.py's choice on this CPU)")
     args = parser.parse_args()

@@ -35,9 +35,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: without it, ignored
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: a worker per CPU this process may use (xdist would count physical cores, one
-    on a 2-vCPU machine with two threads a core), at most 4 (each loads its own models)."""
+    """`-n auto`: a worker per CPU this process may use (xdist, with psutil installed, counts
+    physical cores: one on a 2-vCPU machine with two threads a core), at most 4 (each loads its
+    own models). PYTEST_XDIST_AUTO_NUM_WORKERS and `-n logical` are not read."""
     return min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
                os.cpu_count() or 1)
 
@@ -164,7 +166,7 @@ needs_cpp_compiler = pytest.mark.skipif(not __import__("config").cpp_compiler_fo
 
 def free_port() -> int:
     """A TCP port nothing listens on now (the OS picks it), for a torchrun rendezvous: two test
-    workers (pytest -n 2) never draw the same one."""
+    workers (pytest -n 2) rarely draw the same one (the old pid + time formula could)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -239,14 +239,17 @@ def test_rows_kept_gathered_on_a_cpu_equal_gathering_each_step(tiny, family, mon
 
     monkeypatch.setattr(rollout, "DenseRowsKVCache", Spy)
     model = tiny(family)
-    prompts = prompts_of(model)
+    prompts = prompts_of(model, lengths=(40, 20, 7, 12, 3))  # 3, 2, 1 blocks of 16
     for kw in SAMPLING:
         kw = dict(num_samples=3, max_new_tokens=40, compile=False, max_rows=7, **kw)
-        kept = generate(model, prompts, **kw)
-        with monkeypatch.context() as plain:
-            plain.setattr(rollout, "DenseRowsKVCache", rollout.PagedKVCache)
-            for a, b in zip(kept, generate(model, prompts, **kw), strict=True):
-                assert (a.tokens, a.logprobs, a.finish_reason) == (b.tokens, b.logprobs, b.finish_reason)
+        for prefill in (8192, 1):  # 1: one-token prefill chunks, tables narrower than before
+            kept = generate(model, prompts, prefill_tokens=prefill, **kw)
+            with monkeypatch.context() as plain:
+                plain.setattr(rollout, "DenseRowsKVCache", rollout.PagedKVCache)
+                for a, b in zip(kept, generate(model, prompts, prefill_tokens=prefill, **kw),
+                                strict=True):
+                    assert (a.tokens, a.logprobs, a.finish_reason) == \
+                        (b.tokens, b.logprobs, b.finish_reason)
     assert steps.count("append") > steps.count("make") > len(made) > 0  # made again, per call
     assert "gather" in steps  # the first steps of new rows
     made.clear()

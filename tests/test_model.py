@@ -992,3 +992,24 @@ def test_a_padded_batch_is_each_row_alone_in_logits_gradients_and_routes(tiny_ck
             assert max_diff(routing.logits[layer].view(B, T, -1)[row][real], row_routing.logits[layer]) <= TOL
         alone.append(_grads(ours, lambda: (ours(ids[row][real][None])[0] * weights[row][real]).sum()))
     _assert_same_grads(batch, {n: sum(g[n] for g in alone) for n in batch})
+
+
+@pytest.mark.skipif(checkpoints.fcntl is None, reason="no POSIX file locks here")
+def test_the_bundled_models_conversion_is_done_by_one_process_at_a_time(tmp_path):
+    """checkpoint_directory converts the GGUF under held_lock: a second process (torchrun's
+    ranks, pytest's workers on a fresh machine) waits for the first instead of converting into
+    the same folder at once."""
+    import subprocess
+    import sys
+    lock = str(tmp_path / "converted.lock")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import checkpoints\n"
+            "print('ready', flush=True)\n"
+            "with checkpoints.held_lock(sys.argv[2]): print('in', flush=True)")
+    with checkpoints.held_lock(lock):
+        waiting = subprocess.Popen([sys.executable, "-c", code,
+                                    os.path.dirname(os.path.abspath(checkpoints.__file__)), lock],
+                                   stdout=subprocess.PIPE, text=True)
+        assert waiting.stdout.readline() == "ready\n"
+        time.sleep(1)
+        assert waiting.poll() is None  # at the lock
+    assert waiting.communicate(timeout=60)[0] == "in\n" and waiting.returncode == 0
