@@ -12,17 +12,13 @@ written as its language model (Gemma3ForCausalLM). Tests: `python -m pytest test
 """
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
 import tempfile
 
 import torch
-
-try:
-    import fcntl  # POSIX file locks (held_lock)
-except ImportError:
-    fcntl = None
 
 from lora import LoRALinear
 from model import ModelConfig, Transformer
@@ -445,11 +441,10 @@ def convert_gguf(gguf_path: str, out_dir: str):
 @contextlib.contextmanager
 def held_lock(path):
     """An exclusive lock on the file at path (made if missing) while inside: another process
-    waits at it. Nothing is locked where the platform has no fcntl."""
+    waits at it (runs.lock, a run's own, refuses instead of waiting)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a") as handle:
-        if fcntl is not None:
-            fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
         yield
 
 

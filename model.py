@@ -282,7 +282,7 @@ class PagedKVCache:
     tables and counts the references).
 
     Block 0 is scratch: padding tokens write into it and tables are padded with it; attention
-    masks it out. `Transformer.paged` sets `slots`, `tables` and `positions` for one forward.
+    masks it out. `Transformer.paged` sets `slots` and `tables` for one forward.
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device):
@@ -294,7 +294,6 @@ class PagedKVCache:
         self.block_bytes = self.bytes_per_block(cfg, block_size, dtype)
         self.slots = None  # (b*T,) the flat slot each new token's k, v go to
         self.tables = None  # (b, nb) each row's blocks, padded with block 0
-        self.positions = None  # (b, T) each new token's position in its row
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
@@ -304,21 +303,12 @@ class PagedKVCache:
     def write(self, layer, k, v):
         """Stores k, v (b, Hkv, T, D) at `slots` and returns each row's keys and values, (Hkv, b,
         S, D) with S = nb * block_size, position s at index s (a gather through the tables)."""
-        self.store(layer, k, v)
-        rows = self.gather(layer)  # (2, Hkv, b, S, D)
-        return rows[0], rows[1]
-
-    def store(self, layer, k, v):
-        """k, v (b, Hkv, T, D) into the pool at `slots`; -> them as stored, (2, Hkv, b*T, D)."""
         b, H, T, D = k.shape
-        new = torch.stack((k, v)).transpose(1, 2).reshape(2, H, b * T, D)
-        self.kv[layer].view(2, H, -1, D).index_copy_(2, self.slots, new)
-        return new
-
-    def gather(self, layer):
-        """-> (2, Hkv, b, S, D): each row's keys and values through its table, in position order."""
-        pool, b = self.kv[layer], self.tables.shape[0]
-        return pool.index_select(2, self.tables.view(-1)).view(2, pool.shape[1], b, -1, pool.shape[-1])
+        pool = self.kv[layer]
+        new = torch.stack((k, v)).transpose(1, 2).reshape(2, H, b * T, D)  # (2, Hkv, b*T, D)
+        pool.view(2, H, -1, D).index_copy_(2, self.slots, new)
+        rows = pool.index_select(2, self.tables.view(-1)).view(2, H, b, -1, D)  # (2, Hkv, b, S, D)
+        return rows[0], rows[1]
 
     def copy_block(self, source: int, target: int):
         """Copies one block's keys and values in every layer (a shared block a row writes into)."""
@@ -434,7 +424,7 @@ class Transformer(nn.Module):
         real = torch.arange(T, device=tokens.device) < count[:, None]  # (b, T)
         block = tables.gather(1, (positions // bs).clamp(max=tables.shape[1] - 1))  # (b, T)
         cache.slots = torch.where(real, block * bs + positions % bs, 0).view(-1)  # pads: block 0
-        cache.tables, cache.positions = tables, positions
+        cache.tables = tables
         key_pos = torch.arange(tables.shape[1] * bs, device=tokens.device)  # (S,) slot s = position s
         full = (key_pos <= positions[:, :, None])[:, None]  # (b, 1, T, S) causal, own keys only
         masks = {"full": full, "sliding": full}

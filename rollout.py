@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from cuda_graphs import BucketedStep, bucket
 from model import PagedKVCache, Transformer
-from speed import DenseRowsKVCache, sampling_products
+from speed import sampling_products
 from moe import Routing
 
 
@@ -252,11 +252,9 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     rows, record = max_rows or sum(counts), record_routing and model.config.num_experts > 0
     step_fn = step_function(model, compile, record, cuda_graphs)
     captured = isinstance(step_fn, BucketedStep) and step_fn.capture  # graphs on a GPU
-    # Eager on a CPU with no budget, the decoding rows' keys stay gathered between steps (speed.py).
-    dense = step_fn is decode_step and model.device.type == "cpu" and kv_budget is None
     engine = Engine(model, pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget,
                                        rows, captured),
-                    block_size, rows, prefill_tokens, record, dense)
+                    block_size, rows, prefill_tokens, record)
     engine.add(prompts, counts, seeds, max_new_tokens)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
     stop_ids, steps = set(stop_token_ids), 0
@@ -406,11 +404,10 @@ class Engine:
     running row one token; a row that ends frees its blocks at once, and a row that finds no free
     block preempts the newest running row (its blocks freed, recomputed when admitted again)."""
 
-    def __init__(self, model, num_blocks, block_size, max_rows, prefill_tokens, record, dense=False):
+    def __init__(self, model, num_blocks, block_size, max_rows, prefill_tokens, record):
         self.model, self.max_rows, self.prefill_tokens, self.record = \
             model, max_rows, prefill_tokens, record
-        kind = DenseRowsKVCache if dense else PagedKVCache
-        self.cache = kind(model.config, num_blocks, block_size, model.dtype, model.device)
+        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
         self.pool, self.block_size = BlockPool(num_blocks), block_size
         self.waiting, self.prefilling, self.decoding = deque(), [], []  # Prefill, Prefill, Row
         self.rows, self.groups, self.ended = [], [], []  # every Row; each prompt's; ended, unread

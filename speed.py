@@ -3,8 +3,6 @@ are): the model file holds the model, in plain nn.Linear; nothing here acts at i
 
     pack_linears(model)      the sampler's products on oneDNN with weights packed once (a CPU)
     sampling_products()      the context rollout.generate enters: packed products on inside it
-    DenseRowsKVCache         the paged cache that keeps the decoding rows' keys gathered between
-                             steps (rollout.generate's choice, eager on a CPU with no budget)
     keep_freed_memory()      glibc keeps freed blocks: no page faults at every decode step
     compile_blocks(model)    torch.compile each block for the training and scoring forwards
 
@@ -25,7 +23,7 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lora import LoRALinear
-from model import MLP, Attention, PagedKVCache, Transformer
+from model import MLP, Attention, Transformer
 
 # ----------------------------------------------------------------------------- packed products
 
@@ -161,60 +159,6 @@ def sampling_products():
             _SAMPLERS -= 1
             if _SAMPLERS == 0:
                 _ONEDNN_DTYPES = frozenset()
-
-
-# ----------------------------------------------------------------------------- dense rows
-
-class DenseRowsKVCache(PagedKVCache):
-    """The paged cache, with the decoding rows' keys and values kept gathered between steps: a
-    decode step writes its token into the gathered copy as well as the pool, and attention reads
-    the copy, (2, Hkv, b, S, D) a layer, as it reads the gather. The paged cache alone gathers
-    every row's blocks in every layer at every step: with every row running to the limit that
-    copy is 7-10% of a CPU decode step (MEASUREMENTS.md, "The sampler"). The copy is made (by that
-    same gather) at the step after `STABLE` alike, since rows end and join often early on and
-    each change costs a gather; it goes when they change (a prefill chunk, a row that ended or
-    was preempted) and is made again when the tables grow a column (S grows). It holds the
-    decoding rows' keys once more (padded to the longest), beside the pool: for a CPU with no
-    KV budget. Eager steps only: its check reads the block tables on the host."""
-
-    STABLE = 4  # decode steps with the same rows before the copy is kept
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.dense = None  # per layer (2, Hkv, b, S, D) or None (not yet made); None: gather
-        self.seen, self.stable = None, 0  # the last decode step's tables (b, nb); steps alike
-
-    def write(self, layer, k, v):
-        if k.shape[2] > 1:  # a prefill chunk: rows join, and blocks change hands (one-token
-            # chunks go through `follow`, whose tables then differ from the decode step's)
-            self.dense, self.seen, self.stable = None, None, 0
-            return super().write(layer, k, v)
-        if layer == 0:
-            self.follow(self.tables)
-        if self.dense is None:
-            return super().write(layer, k, v)
-        new = self.store(layer, k, v)  # (2, Hkv, b, D): the pool keeps every row's keys as well
-        if self.dense[layer] is None:
-            self.dense[layer] = self.gather(layer)
-        else:
-            rows = self.dense[layer]  # (2, Hkv, b, S, D)
-            rows[:, :, torch.arange(rows.shape[2]), self.positions[:, 0]] = new  # next positions
-        return self.dense[layer][0], self.dense[layer][1]
-
-    def follow(self, tables):
-        """Before a one-token forward's first layer: are they the rows of the last (each block it
-        listed still there; a row may have taken a new block where it had padding, block 0)?
-        Each decoding row owns the block it writes, so no two rows share a table. The copy stays
-        only if so and S is unchanged; it is made after `STABLE` such steps."""
-        old, self.seen = self.seen, tables
-        same = old is not None and old.shape[0] == tables.shape[0] and \
-            old.shape[1] <= tables.shape[1] and \
-            torch.equal(tables[:, :old.shape[1]].masked_fill(old == 0, 0), old)
-        self.stable = self.stable + 1 if same else 0
-        if not same or tables.shape[1] != old.shape[1]:
-            self.dense = None
-        if self.dense is None and self.stable >= self.STABLE:
-            self.dense = [None] * len(self.kv)  # made layer by layer in this step
 
 
 # ----------------------------------------------------------------------------- memory

@@ -216,47 +216,6 @@ def test_decode_padded_to_buckets_keeps_every_sample(tiny, family, monkeypatch):
     assert len(padded) >= 2 and any(s not in padded for s in shapes)  # the plain call's too
 
 
-@pytest.mark.parametrize("family", ["llama3", "gemma2"])  # gemma2: soft caps, sliding windows
-def test_rows_kept_gathered_on_a_cpu_equal_gathering_each_step(tiny, family, monkeypatch):
-    """Eager on a CPU with no budget, the decoding rows' keys and values are kept gathered
-    between steps (speed.DenseRowsKVCache): the very samples and log-probs of gathering every
-    row's blocks at every step, while the copy is made, written into, dropped as rows end and
-    join (prefills between decode steps, under a row cap) and made again at each new block;
-    under a budget, never."""
-    import rollout
-    import speed
-    steps, made = [], []
-
-    class Spy(speed.DenseRowsKVCache):
-        def __init__(self, *args):
-            super().__init__(*args)
-            made.append(self)
-
-        def follow(self, tables):
-            super().follow(tables)
-            steps.append("gather" if self.dense is None else "make" if self.dense[0] is None
-                         else "append")
-
-    monkeypatch.setattr(rollout, "DenseRowsKVCache", Spy)
-    model = tiny(family)
-    prompts = prompts_of(model, lengths=(40, 20, 7, 12, 3))  # 3, 2, 1 blocks of 16
-    for kw in SAMPLING:
-        kw = dict(num_samples=3, max_new_tokens=40, compile=False, max_rows=7, **kw)
-        for prefill in (8192, 1):  # 1: one-token prefill chunks, tables narrower than before
-            kept = generate(model, prompts, prefill_tokens=prefill, **kw)
-            with monkeypatch.context() as plain:
-                plain.setattr(rollout, "DenseRowsKVCache", rollout.PagedKVCache)
-                for a, b in zip(kept, generate(model, prompts, prefill_tokens=prefill, **kw),
-                                strict=True):
-                    assert (a.tokens, a.logprobs, a.finish_reason) == \
-                        (b.tokens, b.logprobs, b.finish_reason)
-    assert steps.count("append") > steps.count("make") > len(made) > 0  # made again, per call
-    assert "gather" in steps  # the first steps of new rows
-    made.clear()
-    generate(model, prompts, num_samples=3, max_new_tokens=8, kv_budget=budget(model, 32))
-    assert not made
-
-
 def test_a_row_that_cannot_fit_alone_is_refused_before_any_work(tiny):
     model = tiny("llama3")
     with pytest.raises(ValueError, match=r"needs 4 blocks of 16 positions .* holds 4 blocks, one of them scratch"):

@@ -994,7 +994,6 @@ def test_a_padded_batch_is_each_row_alone_in_logits_gradients_and_routes(tiny_ck
     _assert_same_grads(batch, {n: sum(g[n] for g in alone) for n in batch})
 
 
-@pytest.mark.skipif(checkpoints.fcntl is None, reason="no POSIX file locks here")
 def test_the_bundled_models_conversion_is_done_by_one_process_at_a_time(tmp_path):
     """checkpoint_directory converts the GGUF under held_lock: a second process (torchrun's
     ranks, pytest's workers on a fresh machine) waits for the first instead of converting into
