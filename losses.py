@@ -34,9 +34,6 @@ import math
 
 import torch
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "group-token-mean")
-
-
 # ---------------------------------------------------------------------------------------------
 # Aggregation
 # ---------------------------------------------------------------------------------------------
@@ -46,64 +43,67 @@ def _as_divisor(value, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(value, dtype=like.dtype, device=like.device)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean", *,
-              num_tokens=None, num_seqs=None, max_tokens=None, group_ids=None,
-              group_token_counts=None, num_groups=None) -> torch.Tensor:
-    """Reduce a per-token loss (B, T) over the tokens where `mask` (B, T) is nonzero.
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
+              **divisors) -> torch.Tensor:
+    """Reduce a per-token loss (B, T) over the tokens where `mask` (B, T) is nonzero, by one of
+    AGGREGATIONS (below, each beside its equation), or "none": the masked (B, T) loss.
 
     `mask` is 0/1 (bool or float). A float value other than 1 scales that token's loss, but the
-    token still counts as one token in every count (as in `micro_batch_divisors`).
-
-    Every mode is sum_{i,t} w_{i,t} l_{i,t} (module docstring); the divisors, when given, are those
-    of the whole mini-batch across micro-batches and ranks (see `micro_batch_divisors`):
-
-      "token-mean"               DAPO eq. 12:  1/sum_i|o_i| * sum_i sum_t l_it.
-                                 Divisor `num_tokens` (default: mask.sum()).
-      "seq-mean-token-mean"      GRPO:  1/G sum_i 1/|o_i| sum_t l_it.  Divisor `num_seqs`
-                                 (default: rows with at least one loss token); |o_i| is the row's own.
-      "seq-mean-token-sum-norm"  Dr. GRPO:  1/G sum_i sum_t l_it / MAX_TOKENS. Divisors `num_seqs`
-                                 and `max_tokens` (default: T, the padded width here; pass a constant,
-                                 e.g. the generation budget, when micro-batches are padded unevenly).
-      "group-token-mean"         per prompt:  1/|groups| sum_g 1/|tokens of g| sum_{i in g} sum_t l_it.
-                                 `group_token_counts` (B,): the token count of row i's group in the
-                                 whole mini-batch (a group may be split over micro-batches); default
-                                 computed here from `group_ids` (B,). Divisor `num_groups` (default:
-                                 groups with at least one loss token here).
-      "none"                     the masked per-token loss (B, T), not reduced.
-
-    Defaults computed here are clamped to >= 1, so a micro-batch with no loss tokens gives 0.
+    token still counts as one token in every count (as in `micro_batch_divisors`). `divisors`:
+    those of the whole mini-batch across micro-batches and ranks (`micro_batch_divisors`); a
+    divisor left out is this call's own count, clamped to >= 1, so a micro-batch with no loss
+    tokens gives 0.
     """
+    if agg != "none" and agg not in AGGREGATIONS:
+        raise ValueError(f"unknown agg {agg!r}; expected one of {tuple(AGGREGATIONS)} or 'none'")
     active = mask != 0                                                    # (B, T) bool
     weights = mask.to(per_token.dtype)                                    # (B, T) 1 for 0/1 masks
     # where, not multiply: 0 * NaN is NaN, and padding must never reach the loss or the gradient.
     per_token = torch.where(active, per_token * weights, torch.zeros_like(per_token))  # (B, T)
-    if agg == "none":
-        return per_token
-    if agg == "token-mean":
-        if num_tokens is None:
-            num_tokens = active.sum().clamp(min=1)
-        return per_token.sum() / _as_divisor(num_tokens, per_token)
-
-    seq_tokens = active.sum(-1).to(per_token.dtype)                       # (B,) |o_i|
-    if agg in ("seq-mean-token-mean", "seq-mean-token-sum-norm") and num_seqs is None:
-        num_seqs = (seq_tokens > 0).sum().clamp(min=1)
-    if agg == "seq-mean-token-mean":
-        seq_means = per_token.sum(-1) / seq_tokens.clamp(min=1)           # (B,)
-        return seq_means.sum() / _as_divisor(num_seqs, per_token)
-    if agg == "seq-mean-token-sum-norm":
-        if max_tokens is None:
-            max_tokens = per_token.shape[-1]
-        return per_token.sum() / (_as_divisor(num_seqs, per_token) * _as_divisor(max_tokens, per_token))
-    if agg == "group-token-mean":
-        return _group_token_mean(per_token, seq_tokens, group_ids, group_token_counts, num_groups)
-    raise ValueError(f"unknown agg {agg!r}; expected one of {AGGREGATIONS} or 'none'")
+    return per_token if agg == "none" else AGGREGATIONS[agg](per_token, active, **divisors)
 
 
-def _group_token_mean(per_token, seq_tokens, group_ids, group_token_counts, num_groups):
-    """aggregate's "group-token-mean": per_token (B, T) masked, seq_tokens (B,) |o_i|."""
+def token_mean(per_token, active, num_tokens=None, **_):
+    """DAPO eq. 12: 1 / sum_i |o_i| * sum_i sum_t l_it; divisor `num_tokens`."""
+    if num_tokens is None:
+        num_tokens = active.sum().clamp(min=1)
+    return per_token.sum() / _as_divisor(num_tokens, per_token)
+
+
+def _sequences(active, num_seqs):
+    """(B,) |o_i|, each row's loss tokens, and the divisor `num_seqs` (default: the rows with
+    at least one)."""
+    seq_tokens = active.sum(-1)                                           # (B,)
+    return seq_tokens, (seq_tokens > 0).sum().clamp(min=1) if num_seqs is None else num_seqs
+
+
+def seq_mean_token_mean(per_token, active, num_seqs=None, **_):
+    """GRPO: 1/G sum_i 1/|o_i| sum_t l_it; divisor `num_seqs`, |o_i| the row's own."""
+    seq_tokens, num_seqs = _sequences(active, num_seqs)
+    seq_means = per_token.sum(-1) / seq_tokens.to(per_token.dtype).clamp(min=1)  # (B,)
+    return seq_means.sum() / _as_divisor(num_seqs, per_token)
+
+
+def seq_mean_token_sum_norm(per_token, active, num_seqs=None, max_tokens=None, **_):
+    """Dr. GRPO: 1/G sum_i sum_t l_it / MAX_TOKENS; divisors `num_seqs` and `max_tokens`
+    (default: T, the padded width here; pass a constant, e.g. the generation budget, when
+    micro-batches are padded unevenly)."""
+    _, num_seqs = _sequences(active, num_seqs)
+    if max_tokens is None:
+        max_tokens = per_token.shape[-1]
+    return per_token.sum() / (_as_divisor(num_seqs, per_token) * _as_divisor(max_tokens, per_token))
+
+
+def group_token_mean(per_token, active, group_ids=None, group_token_counts=None, num_groups=None,
+                     **_):
+    """Per prompt: 1/|groups| sum_g 1/|tokens of g| sum_{i in g} sum_t l_it.
+    `group_token_counts` (B,): the token count of row i's group in the whole mini-batch (a group
+    may be split over micro-batches); default computed here from `group_ids` (B,). Divisor
+    `num_groups` (default: groups with at least one loss token here)."""
     if group_token_counts is None:
         if group_ids is None:
             raise ValueError("agg='group-token-mean' needs group_ids or group_token_counts")
+        seq_tokens = active.sum(-1).to(per_token.dtype)                # (B,) |o_i|
         group_ids = torch.as_tensor(group_ids, device=per_token.device).long()  # (B,)
         _, row_group = torch.unique(group_ids, return_inverse=True)    # (B,) in 0..K-1
         totals = torch.zeros(int(row_group.max()) + 1 if row_group.numel() else 0,
@@ -118,6 +118,11 @@ def _group_token_mean(per_token, seq_tokens, group_ids, group_token_counts, num_
     row_weight = torch.where(counts > 0, 1.0 / (counts.clamp(min=1) * _as_divisor(num_groups, per_token)),
                              torch.zeros_like(counts))                # (B,)
     return (per_token.sum(-1) * row_weight).sum()
+
+
+AGGREGATIONS = {"token-mean": token_mean, "seq-mean-token-mean": seq_mean_token_mean,
+                "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
+                "group-token-mean": group_token_mean}
 
 
 def micro_batch_divisors(masks, group_ids=None, *, max_tokens=None, distributed: bool = False,

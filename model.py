@@ -20,9 +20,9 @@ Gemma 3 (text, or the language model of an image-text checkpoint):
           per token, tokens grouped by expert.
 
 Also here: `PagedKVCache` (keys and values in fixed-size blocks that rows hold through block
-tables) and `Transformer.paged`, the sampler's forward over it (rollout.py's engine keeps the
-blocks and the queue); `token_logprobs` (log-probs and entropies of given tokens in chunks of the
-sequence, recomputed in backward: no (B, T, V) float32 tensor is held).
+tables) and `Transformer.paged`, the sampler's forward over it (engine.py keeps the
+blocks and the queue); `token_logprobs` (log-probs and entropies of given tokens, the vocabulary
+projection in chunks recomputed in backward by chunked_logprobs.py: no (B, T, V) tensor is held).
 Beside it: moe.py (the experts), lora.py, checkpoints.py (`load_model`, `save_model`),
 speed.py (CPU speed-ups applied from outside: packed sampling products, compiled blocks),
 bench.py (speed against transformers).
@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from chunked_logprobs import chunked_logprobs
 from moe import MoE, Routing
 
 
@@ -278,7 +279,7 @@ class PagedKVCache:
     et al. 2023, "Efficient Memory Management for LLM Serving"); a row's block table lists its
     blocks in order, so position p of a row lives at slot p % block_size of block
     table[p // block_size]. A row holds only the blocks its length needs, rows stop and free
-    theirs at any time, and rows with one prompt share that prompt's blocks (rollout.py keeps the
+    theirs at any time, and rows with one prompt share that prompt's blocks (engine.py keeps the
     tables and counts the references).
 
     Block 0 is scratch: padding tokens write into it and tables are padded with it; attention
@@ -462,84 +463,6 @@ class Transformer(nn.Module):
         return {"full": None, "sliding": ((distance >= 0) & (distance < window))[None, None]}
 
 
-# ----------------------------------------------------------------------------- log-probs in chunks
-
-class _TokenLogprobs(torch.autograd.Function):
-    """log p(target) = z[target] - logsumexp(z), z = cap(h W^T) / temperature, in row chunks;
-    cap(u) = c * tanh(u / c) where the family soft-caps its logits (Gemma 2), else u.
-
-    Forward keeps only the log-normaliser per row; backward recomputes each chunk's logits and
-    writes the gradient dlogp/dz = onehot(target) - softmax(z) in place (times the cap's
-    derivative 1 - tanh^2), so neither pass ever holds more than one (rows, V) chunk. Three
-    vocabulary matrix products per chunk in all (one forward, two backward) plus one recompute:
-    the price of never storing (N, V). Entropy, when asked for, is a value only (no gradient).
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_rows, with_entropy, softcap):
-        # hidden (N, C), weight (V, C), targets (N,)
-        compute = hidden.dtype  # under autocast the body's output dtype (e.g. bf16)
-        N = hidden.shape[0]
-        logp = torch.empty(N, dtype=torch.float32, device=hidden.device)  # (N,)
-        lse = torch.empty(N, dtype=torch.float32, device=hidden.device)  # (N,)
-        ent = torch.zeros(N if with_entropy else 0, dtype=torch.float32, device=hidden.device)
-        for s in range(0, N, chunk_rows):
-            z = F.linear(hidden[s:s + chunk_rows], weight.to(compute)).float()  # (n, V)
-            if softcap:
-                z = z.div_(softcap).tanh_().mul_(softcap)
-            if temperature != 1.0:
-                z.div_(temperature)
-            lse[s:s + chunk_rows] = torch.logsumexp(z, dim=-1)
-            logp[s:s + chunk_rows] = z.gather(-1, targets[s:s + chunk_rows, None]).squeeze(-1) \
-                - lse[s:s + chunk_rows]
-            if with_entropy:  # H = log Z - E_p[z]
-                p = torch.exp(z - lse[s:s + chunk_rows, None])
-                ent[s:s + chunk_rows] = lse[s:s + chunk_rows] - (p * z).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk_rows, ctx.softcap = temperature, chunk_rows, softcap
-        ctx.mark_non_differentiable(ent)
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, grad_logp, _grad_ent):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        compute, cap = hidden.dtype, ctx.softcap
-        w = weight.to(compute)
-        grad_hidden = torch.empty_like(hidden)  # (N, C)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for s in range(0, hidden.shape[0], ctx.chunk_rows):
-            h = hidden[s:s + ctx.chunk_rows]
-            g = grad_logp[s:s + ctx.chunk_rows].float()  # (n,)
-            z = F.linear(h, w).float()  # (n, V) recomputed
-            if cap:
-                tanh = z.div_(cap).tanh_()  # (n, V), in z's memory
-                z = tanh * cap
-            if ctx.temperature != 1.0:
-                z.div_(ctx.temperature)
-            dz = z.sub_(lse[s:s + ctx.chunk_rows, None]).exp_().mul_(-g[:, None])  # -g p
-            dz.scatter_add_(-1, targets[s:s + ctx.chunk_rows, None], g[:, None])  # + g onehot
-            if ctx.temperature != 1.0:
-                dz.div_(ctx.temperature)
-            if cap:  # d cap(u) / du = 1 - tanh(u / c)^2
-                dz.mul_(1 - tanh.square_())
-            dz = dz.to(compute)
-            grad_hidden[s:s + ctx.chunk_rows] = dz @ w  # (n, C)
-            grad_weight += (dz.t() @ h).float()  # (V, C)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
-
-
-def _chunk_logprobs(hidden, head_weight, targets, temperature, softcap=None):
-    """The same as _TokenLogprobs, differentiable in the entropy too (autograd, checkpointed)."""
-    logits = F.linear(hidden, head_weight.to(hidden.dtype)).float()  # (n, V)
-    if softcap:
-        logits = softcap * torch.tanh(logits / softcap)
-    logits = logits / temperature
-    logz = torch.logsumexp(logits, dim=-1)  # (n,)
-    logp = logits.gather(-1, targets[..., None]).squeeze(-1) - logz  # (n,)
-    probs = torch.softmax(logits, dim=-1)
-    return logp, logz - (probs * logits).sum(-1)  # H = log Z - E_p[logit]
-
-
 def token_logprobs(model: Transformer, input_ids, attention_mask=None, *, start=1,
                    temperature=1.0, chunk_size=64, with_entropy=False, entropy_grad=False,
                    hidden=None):
@@ -564,16 +487,9 @@ def token_logprobs(model: Transformer, input_ids, attention_mask=None, *, start=
     model = getattr(model, "module", model)  # (a DDP wrapper has .module)
     weight, softcap = model.output.weight, model.config.final_softcap
     B, T = targets.shape
-    if entropy_grad and torch.is_grad_enabled():
-        flat_h, flat_t = hidden.reshape(B * T, -1), targets.reshape(-1)
-        rows = B * chunk_size
-        parts = [checkpoint(_chunk_logprobs, flat_h[s:s + rows], weight, flat_t[s:s + rows],
-                            temperature, softcap, use_reentrant=False)
-                 for s in range(0, B * T, rows)]
-        logp, ent = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    else:
-        logp, ent = _TokenLogprobs.apply(hidden.reshape(B * T, -1), weight, targets.reshape(-1),
-                                         temperature, B * chunk_size, with_entropy, softcap)
+    logp, ent = chunked_logprobs(hidden.reshape(B * T, -1), weight, targets.reshape(-1),
+                                 temperature, B * chunk_size, with_entropy,
+                                 entropy_grad and torch.is_grad_enabled(), softcap)
     logp = logp.view(B, T)  # (B, T-start)
     return (logp, ent.view(B, T)) if with_entropy else logp
 

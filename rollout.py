@@ -3,24 +3,16 @@
     completions = generate(model, prompts, num_samples=G, max_new_tokens=64, temperature=1.0,
                            stop_token_ids=[tokenizer.eos_token_id], seed=0)
 
-How one call runs (the design of vLLM and nano-vllm, in plain PyTorch):
-1. Keys and values live in a pool of fixed-size blocks (`PagedKVCache`, model.py; `BlockPool`
-   counts who holds each block). Each prompt waits in a queue with its G rows (`Engine`).
-2. `Engine.admit` moves prompts in while free blocks and the row cap allow; `Engine.prefill` runs
-   their positions through the model in chunks of at most `prefill_tokens`, once per prompt: its
-   G rows share its blocks, and a row copies a shared block only when it first writes into it.
-3. `Engine.decode`: every running row feeds its last token (`Transformer.paged`, reading only its
-   own blocks) and draws the next by inverse CDF (cumulative sum + searchsorted: at a 49k
-   vocabulary ~30x cheaper than torch.multinomial; in two levels, `inverse_cdf`) with one
-   uniform per row, a hash of (the prompt's seed, the sample's index, the row's token count): no
-   generator, and a row's sample never depends on the rows around it or on when it ran. The
-   host reads the drawn tokens once per step; a row that stops frees its blocks at once and a
-   waiting prompt takes them. A row that finds no free block preempts the newest running row,
-   which frees its blocks and is recomputed when admitted again: never out of memory.
-4. The pool is sized by `kv_budget` (see `pool_blocks`); a row that cannot fit alone is refused
-   before any work.
-5. `on_group` hears of each prompt whose last row has ended, and may queue more prompts into the
-   same running call (dynamic sampling's next round, refills.py).
+How one call runs: `Engine` (engine.py, the design of vLLM and nano-vllm) keeps the keys and
+values in a pool of fixed-size blocks, admits the prompts while blocks allow, prefills each prompt
+once for its G rows, and feeds every running row its last token at each decode step; a row that
+stops frees its blocks for a waiting prompt, and one that finds none free preempts the newest.
+This file draws the tokens: by inverse CDF (cumulative sum + searchsorted: at a 49k vocabulary
+~30x cheaper than torch.multinomial; in two levels, `inverse_cdf`) with one uniform per row, a
+hash of (the prompt's seed, the sample's index, the row's token count): no generator, so a row's
+sample never depends on the rows around it, on when it ran, or on the KV budget. `on_group` hears
+of each prompt whose last row has ended, and may queue more prompts into the same running call
+(dynamic sampling's next round, refills.py).
 
 Each completion's `.logprobs` are those of the distribution the token was drawn from: the logits
 divided by the temperature, before top-k/top-p truncation (at temperature 1, the policy's own
@@ -33,19 +25,17 @@ dtype, side by side in one process. Tests: `python -m pytest tests/test_rollout.
 tests/test_engine.py`.
 """
 
-import itertools
 import json
 import os
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from cuda_graphs import BucketedStep, bucket
-from model import PagedKVCache, Transformer
+from cuda_graphs import BucketedStep
+from engine import Engine, pool_blocks, refuse_unfit, tokens_so_far
+from model import Transformer
 from speed import sampling_products
-from moe import Routing
 
 
 @dataclass
@@ -236,8 +226,9 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     the pool and row cap sized for the call's own prompts.
     cuda_graphs: decode steps padded to buckets and, on a GPU, replayed as CUDA graphs (not with
     compile, an MoE or record_routing; see `step_function`).
-    The engine: kv_budget, GiB of KV blocks (None: every row at its longest on a CPU; on CUDA
-    also at most 90% of the free memory, see `pool_blocks`); max_rows running at once (None: all);
+    The engine (engine.py): kv_budget, GiB of KV blocks (None: every row at its longest on a
+    CPU; on CUDA also at most 90% of the free memory, see `pool_blocks`); max_rows running at
+    once (None: all);
     block_size, positions a block holds; prefill_tokens, the most prompt tokens one prefill
     forward computes. stats: a dict the call fills with the engine's counts: waits, preemptions,
     prefill_tokens, decode_steps, pool_blocks, peak_blocks, blocks_in_use (0 at the end),
@@ -255,26 +246,36 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     engine = Engine(model, pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget,
                                        rows, captured),
                     block_size, rows, prefill_tokens, record)
-    engine.add(prompts, counts, seeds, max_new_tokens)
+    engine.add(prompts, counts, sample_keys(seeds, counts), max_new_tokens)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
     stop_ids, steps = set(stop_token_ids), 0
+
+    def draw_first(logits, keys):  # a prompt's rows' first tokens: draw 0 of each row's stream
+        return sample_tokens(logits, step_uniforms(keys, 0), **sampling)
+
     while engine.busy():
         engine.admit()
         if engine.prefilling:  # prompts first: their rows join the next decode step
-            engine.prefill(sampling, stop_ids, max_new_tokens)
+            engine.prefill(draw_first, stop_ids, max_new_tokens)
         else:
             engine.decode(step_fn, sampling, stop_ids, max_new_tokens)
             steps += 1
             if stream and steps % (check_every or 1) == 0:
                 stream(tokens_so_far(engine.rows))
         for index in engine.groups_ended():
-            more = on_group(index, [row.completion() for row in engine.groups[index]]) \
+            more = on_group(index, [completion(row) for row in engine.groups[index]]) \
                 if on_group else None
             if more:
                 queue_more(engine, more, max_new_tokens, sampling, check_every)
     if stats is not None:
         stats.update(engine.counts())
-    return [row.completion() for row in engine.rows]
+    return [completion(row) for row in engine.rows]
+
+
+def completion(row):
+    """An engine.Row's result."""
+    routing = None if row.routes is None else row.routes[:len(row.prompt) + len(row.tokens)].cpu()
+    return Completion(row.prompt_index, row.tokens, row.logprobs, row.finish, routing)
 
 
 def queue_more(engine, more, max_new_tokens, sampling, check_every):
@@ -287,313 +288,7 @@ def queue_more(engine, more, max_new_tokens, sampling, check_every):
                                   check_every, seeds)
     refuse_unfit(prompts, max_new_tokens, engine.block_size, engine.cache.block_bytes,
                  engine.pool.size)
-    engine.add(prompts, counts, seeds, max_new_tokens)
-
-
-@dataclass
-class Row:
-    """One sample being drawn: its prompt, its tokens so far, and the blocks holding its keys."""
-    index: int  # its place among all rows (prompt-major): its random stream
-    prompt_index: int
-    prompt: list[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    table: list[int] = field(default_factory=list)  # its KV blocks, in order
-    cached: int = 0  # positions whose keys and values are in its blocks
-    finish: str | None = None  # "stop" or "length" once it has ended
-    routes: torch.Tensor | None = None  # (P + N_new, L, k) when recording MoE routing
-
-    def completion(self):
-        length = len(self.prompt) + len(self.tokens)
-        return Completion(self.prompt_index, self.tokens, self.logprobs, self.finish,
-                          None if self.routes is None else self.routes[:length].cpu())
-
-
-@dataclass
-class Prefill:
-    """Positions to compute before rows can decode: a prompt, once for all of its rows; or a
-    preempted row's prompt and tokens but the last (recomputed, then decoding goes on)."""
-    rows: list[Row]
-    context: list[int]
-    table: list[int] = field(default_factory=list)
-    done: int = 0  # positions computed so far
-
-    @property
-    def fresh(self):  # a prompt's first prefill: its logits give each row's first token
-        return not self.rows[0].tokens
-
-
-def prompt_groups(rows, counts):
-    """Rows (prompt-major) -> one list of rows per prompt."""
-    ends = list(itertools.accumulate(counts))
-    return [rows[end - c:end] for c, end in zip(counts, ends)]
-
-
-class BlockPool:
-    """The KV cache's blocks: a free list and a reference count per block (nano-vllm's block
-    manager). Block 0 is the cache's scratch block, never handed out."""
-
-    def __init__(self, size):
-        self.size = size
-        self.free = list(range(size - 1, 0, -1))  # pop() hands out low ids first
-        self.refs = [0] * size
-        self.peak = 0  # the most blocks in use at once
-
-    def allocate(self):
-        block = self.free.pop()
-        self.refs[block] = 1
-        self.peak = max(self.peak, self.size - 1 - len(self.free))
-        return block
-
-    def share(self, blocks, times=1):
-        for block in blocks:
-            self.refs[block] += times
-
-    def release(self, blocks):
-        for block in blocks:
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                self.free.append(block)
-
-
-def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, rows=None,
-                cuda_graphs=False):
-    """The pool's size in blocks (the scratch block included): what every row needs at its
-    longest, no more; within kv_budget GiB when given, and on CUDA within 90% of the memory free
-    beside the decode step's working memory (`rows` at once, all by default; `cuda_graphs`).
-    A row that cannot fit alone is refused here, before any work, with the arithmetic."""
-    cfg = model.config
-    block_bytes = PagedKVCache.bytes_per_block(cfg, block_size, model.dtype)
-    longest = [-(-(len(p) + max_new_tokens) // block_size) for p in prompts]  # blocks a row
-    blocks = 1 + sum(n * c for n, c in zip(longest, counts))
-    budget = kv_budget * 2**30 if kv_budget is not None else None
-    if model.device.type == "cuda":
-        working = decode_working_bytes(cfg, rows or sum(counts), cuda_graphs)
-        free = 0.9 * max(0, torch.cuda.mem_get_info(model.device)[0] - working)
-        budget = free if budget is None else min(budget, free)
-    if budget is not None:
-        blocks = min(blocks, int(budget // block_bytes))
-    refuse_unfit(prompts, max_new_tokens, block_size, block_bytes, blocks)
-    return blocks
-
-
-def decode_working_bytes(cfg, rows, cuda_graphs=False) -> int:
-    """A decode step's memory beside the KV pool: float32 logits and two more (B, V) float32
-    tensors in sampling, 12 bytes a row a vocabulary entry; under CUDA graphs the graphs' own pool
-    holds them again, at the bucket of rows (cuda_graphs.bucket)."""
-    one = rows * cfg.vocab_size * 12
-    return one + bucket(rows) * cfg.vocab_size * 12 if cuda_graphs else one
-
-
-def refuse_unfit(prompts, max_new_tokens, block_size, block_bytes, blocks):
-    """A ValueError with the arithmetic when a row of `prompts` cannot fit alone in a pool of
-    `blocks` (the scratch block included)."""
-    longest = max(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)  # blocks a row
-    if blocks < 1 + longest:
-        raise ValueError(
-            f"generate: a row of {max(len(p) for p in prompts)} prompt + {max_new_tokens} new "
-            f"tokens needs {longest} blocks of {block_size} positions ({block_bytes} bytes "
-            f"each, {longest * block_bytes / 2**30:.3g} GiB) and the scratch block; the KV "
-            f"budget holds {blocks} blocks, one of them scratch: raise it, or lower "
-            f"max_new_tokens")
-
-
-class Engine:
-    """Continuous batching over the paged cache: prompts wait in a queue and are admitted while
-    blocks and the row cap allow; their prefill runs in chunks; each decode step feeds every
-    running row one token; a row that ends frees its blocks at once, and a row that finds no free
-    block preempts the newest running row (its blocks freed, recomputed when admitted again)."""
-
-    def __init__(self, model, num_blocks, block_size, max_rows, prefill_tokens, record):
-        self.model, self.max_rows, self.prefill_tokens, self.record = \
-            model, max_rows, prefill_tokens, record
-        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
-        self.pool, self.block_size = BlockPool(num_blocks), block_size
-        self.waiting, self.prefilling, self.decoding = deque(), [], []  # Prefill, Prefill, Row
-        self.rows, self.groups, self.ended = [], [], []  # every Row; each prompt's; ended, unread
-        self.keys = torch.zeros(0, dtype=torch.long, device=model.device)  # (B,) random streams
-        self.stats = dict(waits=0, preemptions=0, prefill_tokens=0, decode_steps=0)
-
-    def add(self, prompts, counts, seeds, max_new_tokens):
-        """Queues prompts with counts[i] rows each, numbered on from those so far (prompt-major);
-        recording routes, each row with its (P + N_new, L, k) buffer (-1: dense layers, and
-        positions never fed)."""
-        first_row, first_prompt, cfg = len(self.rows), len(self.groups), self.model.config
-        rows = [Row(first_row + r, first_prompt + i, list(prompts[i])) for r, i in enumerate(
-            i for i, c in enumerate(counts) for _ in range(c))]
-        for row in rows if self.record else ():
-            row.routes = torch.full((len(row.prompt) + max_new_tokens, cfg.num_layers,
-                                     cfg.experts_per_token), -1, dtype=torch.int16)
-        groups = prompt_groups(rows, counts)
-        self.rows += rows
-        self.groups += groups
-        self.keys = torch.cat([self.keys, sample_keys(seeds, counts).to(self.model.device)])
-        self.waiting.extend(Prefill(group, list(prompts[i])) for i, group in enumerate(groups))
-
-    def groups_ended(self):
-        """-> the indices of the prompts whose last row ended since the last call."""
-        prompts = {row.prompt_index for row in self.ended}
-        self.ended = []
-        return sorted(i for i in prompts if all(row.finish for row in self.groups[i]))
-
-    def busy(self):
-        return bool(self.waiting or self.prefilling or self.decoding)
-
-    def counts(self):
-        """What generate's `stats` receives."""
-        return dict(self.stats, peak_blocks=self.pool.peak, pool_blocks=self.pool.size,
-                    blocks_in_use=self.pool.size - 1 - len(self.pool.free),
-                    block_bytes=self.cache.block_bytes)
-
-    def admit(self):
-        """Moves queued prefills in, oldest first, while blocks (a prompt's, plus one of its own
-        for each row; with nothing running, the prompt's alone) and row slots allow; a prompt's
-        rows split when not all fit."""
-        while self.waiting:
-            job = self.waiting[0]
-            need = -(-len(job.context) // self.block_size)
-            running = len(self.decoding) + sum(len(j.rows) for j in self.prefilling)
-            spare = len(self.pool.free) - need  # blocks left for the rows' own
-            fit = min(len(job.rows), self.max_rows - running,
-                      spare if running or spare < 0 else max(spare, 1))
-            if fit < 1:
-                self.stats["waits"] += 1
-                return
-            self.waiting.popleft()
-            if fit < len(job.rows):  # the rest wait, to prefill the prompt again for themselves
-                self.waiting.appendleft(Prefill(job.rows[fit:], job.context))
-                job = Prefill(job.rows[:fit], job.context)
-            job.table = [self.pool.allocate() for _ in range(need)]
-            self.prefilling.append(job)
-
-    def prefill(self, sampling, stop_ids, max_new_tokens):
-        """One forward over the next chunks of the admitted prefills, at most `prefill_tokens`
-        positions in all; a prompt that completes draws each of its rows' first token."""
-        chunks, left = [], self.prefill_tokens
-        for job in self.prefilling:
-            n = min(len(job.context) - job.done, left)
-            if n < 1:
-                break
-            chunks.append((job, n))
-            left -= n
-        tokens = pad_rows([job.context[job.done:job.done + n] for job, n in chunks])  # (b, T)
-        start = self.tensor([job.done for job, _ in chunks])  # (b,)
-        count = self.tensor([n for _, n in chunks])  # (b,)
-        routing = Routing() if self.record else None
-        logits = self.model.paged(tokens.to(self.model.device), start, count,
-                                  self.tables([job.table for job, _ in chunks]), self.cache,
-                                  routing, with_logits=any(job.fresh for job, _ in chunks))
-        self.stats["prefill_tokens"] += sum(n for _, n in chunks)
-        routes = routing.stacked(self.model.config).short().cpu() if routing else None  # (b, T, L, k)
-        drawing, source = [], []  # the rows of completed prompts, and their chunk's index
-        for i, (job, n) in enumerate(chunks):
-            for row in job.rows if routes is not None else ():
-                row.routes[job.done:job.done + n] = routes[i, :n]
-            job.done += n
-            if job.done == len(job.context):
-                self.prefilling.remove(job)
-                self.start_decoding(job)
-                if job.fresh:
-                    drawing += job.rows
-                    source += [i] * len(job.rows)
-        if drawing:  # their first tokens, all in one draw
-            rows = self.tensor([row.index for row in drawing])
-            uniforms = step_uniforms(self.keys[rows], 0)
-            drawn, logp = sample_tokens(logits[self.tensor(source)], uniforms, **sampling)
-            self.take(drawing, drawn, logp, stop_ids, max_new_tokens)
-
-    def start_decoding(self, job):
-        """The prefill's rows join the decode batch, sharing its blocks (a block one of them
-        writes into is copied first)."""
-        self.pool.share(job.table, len(job.rows) - 1)
-        for row in job.rows:
-            row.table, row.cached = list(job.table), len(job.context)
-            self.decoding.append(row)
-
-    def decode(self, step_fn, sampling, stop_ids, max_new_tokens):
-        """Every running row feeds its last token and draws the next (one host read)."""
-        self.make_room()
-        rows = self.decoding
-        index = self.tensor([row.index for row in rows])  # (b,)
-        fed = self.tensor([row.tokens[-1] for row in rows])  # (b,)
-        start = self.tensor([row.cached for row in rows])  # (b,) the fed token's position
-        draws = self.tensor([len(row.tokens) for row in rows])  # (b,) each row's step
-        routing = Routing() if self.record else None
-        drawn, logp = step_fn(self.model, fed, start, self.tables([r.table for r in rows]),
-                              self.cache, self.keys[index], draws, *sampling.values(), routing)
-        routes = routing.stacked(self.model.config).short().cpu() if routing else None  # (b, 1, L, k)
-        for i, row in enumerate(rows):
-            if routes is not None:  # the fed token's experts
-                row.routes[row.cached] = routes[i, 0]
-            row.cached += 1
-        self.stats["decode_steps"] += 1
-        self.take(list(rows), drawn, logp, stop_ids, max_new_tokens)
-
-    def take(self, rows, drawn, logp, stop_ids, max_new_tokens):
-        """Appends each row's drawn token (b,) and log-prob (b,); rows that end leave."""
-        # One read from the device: ids below 2^53 and float32 log-probs are exact in float64.
-        drawn, logp = torch.stack([drawn.double(), logp.double()]).tolist()
-        for row, token, lp in zip(rows, drawn, logp):
-            row.tokens.append(int(token))
-            row.logprobs.append(lp)
-            if int(token) in stop_ids or len(row.tokens) == max_new_tokens:
-                row.finish = "stop" if int(token) in stop_ids else "length"
-                self.decoding.remove(row)
-                self.pool.release(row.table)
-                row.table = []
-                self.ended.append(row)
-
-    def make_room(self):
-        """Gives each running row, oldest first, a block of its own for the position it writes:
-        a new one at a block's start, a copy of a shared one. With none free, the newest running
-        row is preempted (it may be this row)."""
-        i = 0
-        while i < len(self.decoding):
-            row = self.decoding[i]
-            b = row.cached // self.block_size
-            if b < len(row.table) and self.pool.refs[row.table[b]] == 1:
-                i += 1
-                continue
-            if not self.pool.free:
-                self.preempt(self.decoding[-1])
-                continue  # row i again, unless it was the one preempted
-            block = self.pool.allocate()
-            if b < len(row.table):  # copy on write
-                self.cache.copy_block(row.table[b], block)
-                self.pool.release([row.table[b]])
-                row.table[b] = block
-            else:
-                row.table.append(block)
-            i += 1
-
-    def preempt(self, row):
-        """Frees a running row's blocks; it waits first in the queue to be recomputed (its prompt
-        and tokens but the last), then decodes on: its random stream counts its own tokens."""
-        self.decoding.remove(row)
-        self.pool.release(row.table)
-        row.table, row.cached = [], 0
-        self.waiting.appendleft(Prefill([row], row.prompt + row.tokens[:-1]))
-        self.stats["preemptions"] += 1
-
-    def tensor(self, values):
-        return torch.tensor(values, dtype=torch.long, device=self.model.device)
-
-    def tables(self, tables):
-        """Block tables -> (b, nb) long on the device, padded with the scratch block 0."""
-        return pad_rows(tables).to(self.model.device)
-
-
-def pad_rows(rows):
-    """Lists of ints -> (len(rows), longest) long, right-padded with 0."""
-    out = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-    return out
-
-
-def tokens_so_far(rows):
-    """(B, longest) long: each row's tokens, 0 past its end (what `stream` is given)."""
-    return pad_rows([row.tokens or [0] for row in rows])
+    engine.add(prompts, counts, sample_keys(seeds, counts), max_new_tokens)
 
 
 def step_function(model, compile, record, cuda_graphs=False):

@@ -6,7 +6,7 @@ and whether the two draw the same tokens.
     python recipes/sampler-ab.py /tmp/before [--prompts 8 --samples 8 --new-tokens 64 --stops]
         [--dtype float32]
 
-Each checkout's model.py, moe.py, rollout.py and checkpoints.py are imported on their own (speed.py
+Each checkout's model.py, moe.py, engine.py, rollout.py and checkpoints.py are imported on their own (speed.py
 once: its op registers once per process); the runs alternate, each first in every other round,
 after a warm-up call of each.
 """
@@ -21,7 +21,7 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OWN = ("model", "moe", "rollout", "checkpoints", "lora", "quant")  # imported once per checkout
+OWN = ("model", "moe", "engine", "rollout", "checkpoints", "lora", "quant")  # once per checkout
 
 
 def import_checkout(path):

@@ -1,4 +1,4 @@
-"""Tests for rollout.py's engine: the paged KV cache, continuous batching, budgets, preemption.
+"""Tests for engine.py, the sampler's engine: the paged KV cache, continuous batching, budgets, preemption.
 
 Whatever the budget, the row cap or the block size, every sample is the one the sampler draws
 with everything fitting at once, and that is each prompt's own sample drawn alone: token for
@@ -130,7 +130,7 @@ def test_on_cuda_the_pool_leaves_the_decode_steps_memory_free(tiny, monkeypatch)
     a capacity-bound pool cannot starve the step's logits or the graphs' capture. (A stand-in
     device: only torch.cuda.mem_get_info is read.)"""
     import types
-    import rollout
+    import engine
     from model import PagedKVCache
     cfg = tiny("llama3").config
     stand_in = types.SimpleNamespace(config=cfg, dtype=torch.bfloat16, device=torch.device("cuda"))
@@ -140,9 +140,9 @@ def test_on_cuda_the_pool_leaves_the_decode_steps_memory_free(tiny, monkeypatch)
     prompts, counts = [[1] * 10] * 4, [32] * 4  # 128 rows of every row at its longest: 5 blocks
     for rows, graphs, working in [(None, False, 128 * cfg.vocab_size * 12),
                                   (24, True, (24 + 32) * cfg.vocab_size * 12)]:
-        blocks = rollout.pool_blocks(stand_in, prompts, counts, 64, 16, None, rows, graphs)
+        blocks = engine.pool_blocks(stand_in, prompts, counts, 64, 16, None, rows, graphs)
         assert blocks == int(0.9 * (free - working) // block_bytes) < 1 + 128 * 5, (rows, graphs)
-    assert rollout.decode_working_bytes(cfg, 24, True) == (24 + 32) * cfg.vocab_size * 12
+    assert engine.decode_working_bytes(cfg, 24, True) == (24 + 32) * cfg.vocab_size * 12
 
 
 @pytest.mark.parametrize("limits", [dict(), dict(blocks=6, max_rows=4)])
