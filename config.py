@@ -613,13 +613,16 @@ def reads_old_logprobs(args):
         or args.tis_normalize or bool(args.tis_reject)
 
 
-def objective_settings(args):
-    """objectives.OBJECTIVES[args.objective]'s own keyword arguments under these flags."""
+def objective_settings(args, chosen=None):
+    """objectives.OBJECTIVES[args.objective]'s own keyword arguments under these flags; Clip-Cov
+    and KL-Cov take `chosen` too (token_choice.chosen_tokens' "covariance")."""
     if args.objective == "sapo":
         return {"tau_pos": args.sapo_tau_pos, "tau_neg": args.sapo_tau_neg}
     if args.objective == "kl-cov":
-        return {"kl_coef": args.kl_cov_coef}
+        return {"kl_coef": args.kl_cov_coef, "chosen": chosen}
     clip = {"eps_low": args.eps_low, "eps_high": args.eps_high}
+    if args.objective == "clip-cov":
+        return {**clip, "chosen": chosen}
     return {**clip, "clip_c": args.clip_c} if args.objective == "clip" else clip
 
 

@@ -174,7 +174,8 @@ class Engine:
         return bool(self.waiting or self.prefilling or self.decoding)
 
     def counts(self):
-        """What generate's `stats` receives."""
+        """What generate's `stats` receives: waits, preemptions, prefill_tokens, decode_steps,
+        pool_blocks, peak_blocks, blocks_in_use (0 at the end), block_bytes."""
         return dict(self.stats, peak_blocks=self.pool.peak, pool_blocks=self.pool.size,
                     blocks_in_use=self.pool.size - 1 - len(self.pool.free),
                     block_bytes=self.cache.block_bytes)

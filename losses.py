@@ -127,20 +127,17 @@ AGGREGATIONS = {"token-mean": token_mean, "seq-mean-token-mean": seq_mean_token_
 
 def micro_batch_divisors(masks, group_ids=None, *, max_tokens=None, distributed: bool = False,
                          process_group=None) -> list[dict]:
-    """The global divisors of one mini-batch, as kwargs of `aggregate`, `policy_loss`, objectives.py.
+    """The global divisors of one mini-batch, one dict per micro-batch, as kwargs of `aggregate`,
+    `policy_loss` and objectives.py: num_tokens, num_seqs, max_tokens, and with group_ids also
+    num_groups and group_token_counts (b_k,).
 
-    masks: this rank's micro-batches of the mini-batch, a list of (b_k, T_k) masks (uneven rows,
-        uneven padding widths are fine). Every rank must pass at least one (a rank with no data
-        passes a (0, T) mask; it still has to run the same number of backward passes under DDP).
-    group_ids: None, or a list of (b_k,) integer tensors: the prompt (group) of each row, numbered
-        in the GLOBAL mini-batch (e.g. the prompt's index over all ranks), so that a group split
-        over micro-batches or ranks is counted once.
-    max_tokens: Dr. GRPO's constant (the generation budget); default the widest T_k (all ranks).
-    distributed: all-reduce the counts over `process_group` (torch.distributed must be initialised).
-
-    Returns one dict per micro-batch: num_tokens, num_seqs, max_tokens, and with group_ids also
-    num_groups and group_token_counts (b_k,). One call costs one all-reduce of a small vector
-    (plus one of two maxima), once per mini-batch, before the first micro-batch's forward pass.
+    masks: this rank's micro-batches, (b_k, T_k) each (uneven rows and widths are fine); at least
+        one: a rank with no data passes a (0, T) mask, and under DDP runs as many backwards.
+    group_ids: None, or per micro-batch (b_k,) each row's prompt numbered over the GLOBAL
+        mini-batch (e.g. over all ranks), so that a group split over micro-batches or ranks counts
+        once. max_tokens: Dr. GRPO's constant (the generation budget); default the widest T_k.
+    distributed: all-reduce the counts over `process_group`: one all-reduce of a small vector
+    (and one of two maxima) per mini-batch, before its first micro-batch's forward.
     """
     if len(masks) == 0:
         raise ValueError("pass at least one micro-batch mask (an empty (0, T) one if need be)")
@@ -291,10 +288,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 *, eps_low: float = 0.2, eps_high: float = 0.28, clip_c: float | None = None,
                 agg: str = "token-mean", num_tokens=None, max_tokens=None, num_seqs=None,
                 group_ids=None, group_token_counts=None, num_groups=None, token_weights=None):
-    """The clipped surrogate of PPO with DAPO's decoupled clip (clip-higher) and optional dual-clip.
-
-    logp, old_logp, mask: (B, T) (token log-probs under the policy being trained, under the policy
-    that sampled, and the loss mask); advantages: (B,) per sequence or (B, T) per token.
+    """The clipped surrogate of PPO with DAPO's decoupled clip (clip-higher) and optional dual-clip:
+    logp, old_logp, mask (B, T), the log-probs under the policy trained and the one that sampled,
+    the loss mask; advantages (B,) per sequence or (B, T) per token.
 
         r_t = pi_theta(o_t | q, o_<t) / pi_old(o_t | q, o_<t) = exp(logp - old_logp)
         objective_t = min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)        DAPO eq. 10
@@ -305,8 +301,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     `agg` with the whole mini-batch's divisors (`**micro_batch_divisors(...)[k]`; left out, this
     call's own counts). Pass fp32 log-probs (the ratio of two bf16 log-probs is coarse). No clamp
     on log r: past ~88 it overflows fp32 and the trainer's non-finite check skips the update.
-    -> (loss, stats: `ratio_stats`)
-    """
+    -> (loss, stats: `ratio_stats`)"""
     if clip_c is not None and clip_c <= 1.0:
         raise ValueError(f"dual-clip needs c > 1, got {clip_c}")
     active = mask != 0                                                    # (B, T)

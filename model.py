@@ -173,13 +173,10 @@ class Attention(nn.Module):
 def attend(q, k, v, mask, expand_kv=False, scale=None):
     """softmax(q k^T * scale + mask) v with grouped-query heads: q (B, Hq, T, D), k and v
     (B, Hkv, S, D), query head h reading key/value head h // (Hq / Hkv); mask (B, 1, T, S) bool,
-    or None for plain causal attention; scale None: 1 / sqrt(D).
-
-    On the CPU, and for one-token decode steps, `enable_gqa` reads the shared heads in place
-    (copying them to every query head costs more than the attention). CUDA's fused kernels take
-    either grouped heads (flash, which takes no mask) or a mask (memory-efficient), not both, and
-    the fallback materialises (B, Hq, T, S) scores per layer: with a mask over many tokens,
-    `expand_kv` copies the heads out so the memory-efficient kernel runs.
+    or None for plain causal attention; scale None: 1 / sqrt(D). `enable_gqa` reads the shared
+    heads in place, but CUDA's fused kernels take grouped heads (flash: no mask) or a mask
+    (memory-efficient), not both, and the fallback materialises (B, Hq, T, S) scores per layer:
+    with a mask over many tokens, `expand_kv` copies the heads out for the memory-efficient one.
     """
     groups = q.shape[1] // k.shape[1]
     if expand_kv and groups > 1:
@@ -276,14 +273,12 @@ class Block(nn.Module):
 
 class PagedKVCache:
     """Keys and values in a pool of fixed-size blocks that every row shares (PagedAttention: Kwon
-    et al. 2023, "Efficient Memory Management for LLM Serving"); a row's block table lists its
-    blocks in order, so position p of a row lives at slot p % block_size of block
-    table[p // block_size]. A row holds only the blocks its length needs, rows stop and free
-    theirs at any time, and rows with one prompt share that prompt's blocks (engine.py keeps the
-    tables and counts the references).
-
-    Block 0 is scratch: padding tokens write into it and tables are padded with it; attention
-    masks it out. `Transformer.paged` sets `slots` and `tables` for one forward.
+    et al. 2023, "Efficient Memory Management for LLM Serving"): position p of a row lives at
+    slot p % block_size of block table[p // block_size], its block table listing its blocks in
+    order. A row holds the blocks its length needs, frees them when it stops, and shares its
+    prompt's with the prompt's other rows (engine.py keeps the tables and reference counts).
+    Block 0 is scratch: padding writes into it, tables are padded with it, attention masks it.
+    `Transformer.paged` sets `slots` and `tables` for one forward.
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device):
@@ -469,14 +464,11 @@ def token_logprobs(model: Transformer, input_ids, attention_mask=None, *, start=
     """Log-prob of each token from `start` on: logp[:, j] = log p(ids[:, start+j] | ids[:, :start+j]).
 
     input_ids (B, T) -> logp (B, T-start) float32, and with with_entropy the entropy of each of
-    those predictive distributions (a gradient flows through it only with entropy_grad, for an
-    entropy bonus). start=1 scores every token after the first; a trainer passes the prompt
-    length so the vocabulary projection runs on completion positions only.
-    The vocabulary projection runs on B * chunk_size rows at a time, in forward and (recomputed)
-    in backward, so neither the (B, T, V) logits nor their log-softmax ever exist in full: peak
-    extra memory is ~B * chunk_size * V floats. `temperature` divides the logits, matching the
-    distribution the sampler drew from. `hidden`: the body's output (B, T, C) for these ids when
-    the caller already ran it (a trainer that also needs it for GKL runs the body once).
+    those distributions (with a gradient only with entropy_grad: an entropy bonus). A trainer
+    passes start = the prompt length: the vocabulary projection runs on completion positions only,
+    B * chunk_size rows at a time (chunked_logprobs.py: peak ~B * chunk_size * V floats).
+    `temperature` divides the logits, as the sampler's did. `hidden`: the body's output (B, T, C)
+    for these ids when the caller already ran it (GKL needs it too: the body runs once).
     """
     if not 1 <= start < input_ids.shape[1]:
         raise ValueError(f"token_logprobs: start={start} outside [1, {input_ids.shape[1]})")

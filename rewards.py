@@ -197,36 +197,22 @@ def shaping(*, length=None, max_len=None, cache_len=None, mean_nll=None, ppl_thr
             "ppl": perplexity_penalty(mean_nll, ppl_threshold, ppl_window) if use_ppl else 0.0}
 
 
-def math_reward(
-    response: str,
-    truth,
-    *,
-    correct: float = 1.0,
-    wrong: float = -1.0,
-    format_style: str | None = None,
-    format_weight: float = 0.0,
-    length: int | None = None,
-    max_len: int | None = None,
-    cache_len: int | None = None,
-    mean_nll: float | None = None,
-    ppl_threshold: float | None = None,
-    ppl_window: float | None = None,
-    score: tuple[float, bool] | None = None,
-) -> tuple[float, dict[str, float]]:
-    """Reward of one completion and its components; the reward is the sum of the terms
-    correct + format + integer + xml_count + overlong + ppl.
+def math_reward(response: str, truth, *, correct: float = 1.0, wrong: float = -1.0,
+                format_style: str | None = None, format_weight: float = 0.0,
+                length: int | None = None, max_len: int | None = None, cache_len: int | None = None,
+                mean_nll: float | None = None, ppl_threshold: float | None = None,
+                ppl_window: float | None = None, score: tuple[float, bool] | None = None,
+                ) -> tuple[float, dict[str, float]]:
+    """Reward of one completion and its components, (correct + format + integer + xml_count +
+    overlong + ppl, {component: value}); a term that is off is 0.0.
 
-    components: "correct" (`correct` or `wrong`, DAPO eq. 7), "accuracy" (1.0 / 0.0), "extracted"
-    (1.0 if the reply gave an answer verify.extract_answer can read),
-    "format" (format_weight * format_ok), "format_ok" (1.0 / 0.0), with format_style "xml" also
-    "integer" (format_weight * an integer answer) and "xml_count" (see `xml_terms`), "overlong"
-    (DAPO eq. 13), "ppl" (this project's perplexity penalty). Terms that are off are 0.0. The XML
-    recipe for GSM8K is format_style "xml", format_weight 0.5, correct 2.0, wrong 0.0.
-    The overlong term is on when max_len or cache_len is given (then length, max_len and cache_len
-    are all required); the perplexity term when ppl_threshold or ppl_window is given (then
-    mean_nll, ppl_threshold and ppl_window are required). `score`: (value, right) from a reward
-    function (`task_reward`) in eq. 7's place; `truth` is then not read. Bad arguments raise
-    ValueError; the response text never makes this raise.
+    "correct": `correct` or `wrong` (DAPO eq. 7), "accuracy" 1.0 / 0.0, "extracted" 1.0 if
+    verify.extract_answer read an answer, "format" (format_weight * "format_ok"), with
+    format_style "xml" also "integer" and "xml_count" (`xml_terms`; GSM8K's XML recipe: "xml",
+    format_weight 0.5, correct 2.0, wrong 0.0), "overlong" (eq. 13) and "ppl" (`shaping`: each on
+    when any of its arguments is given, then all of them are needed). `score`: (value, right)
+    from a reward function (`task_reward`) in eq. 7's place; `truth` is then not read. Bad
+    arguments raise ValueError; the response text never makes this raise.
     """
     style = _format_style(format_style) if format_style is not None else None
     r_correct, r_wrong = _finite("correct", correct), _finite("wrong", wrong)

@@ -215,24 +215,18 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
              top_p=1.0, top_k=0, stop_token_ids=(), seed=0, compile=None, check_every=None,
              record_routing=False, stream=None, kv_budget=None, max_rows=None, block_size=16,
              prefill_tokens=8192, stats=None, on_group=None, cuda_graphs=False):
-    """prompts: list of token-id lists; num_samples: int, or one int per prompt; seed: int, or one
-    int per prompt. compile: run the decode step through torch.compile (None: eager,
-    see `step_function`). record_routing: on an MoE model, each Completion's `.routing`
-    holds the experts every position went to (for routing replay). stream: called every
-    `check_every` decode steps (None: 1) with the tokens so far, (B, longest), 0 past a row's
-    end (demo.py). on_group: called as each prompt's last row ends, with the prompt's index and
-    its Completions; it may return more prompts for the same queue, (prompts, num_samples, seeds)
-    as lists, numbered on from those so far (dynamic sampling's refills, refills.py); they share
-    the pool and row cap sized for the call's own prompts.
-    cuda_graphs: decode steps padded to buckets and, on a GPU, replayed as CUDA graphs (not with
-    compile, an MoE or record_routing; see `step_function`).
-    The engine (engine.py): kv_budget, GiB of KV blocks (None: every row at its longest on a
-    CPU; on CUDA also at most 90% of the free memory, see `pool_blocks`); max_rows running at
-    once (None: all);
-    block_size, positions a block holds; prefill_tokens, the most prompt tokens one prefill
-    forward computes. stats: a dict the call fills with the engine's counts: waits, preemptions,
-    prefill_tokens, decode_steps, pool_blocks, peak_blocks, blocks_in_use (0 at the end),
-    block_bytes.
+    """prompts: token-id lists; num_samples, seed: an int, or one per prompt. compile: the decode
+    step through torch.compile (None: eager; `step_function`); cuda_graphs: decode steps padded
+    to buckets, on a GPU replayed as CUDA graphs. record_routing: on an MoE, each Completion's
+    `.routing` holds every position's experts (routing replay). stream: called every
+    `check_every` decode steps (None: 1) with the tokens so far, (B, longest), 0 past a row's end
+    (demo.py). on_group(prompt index, its Completions), as each prompt's last row ends, may
+    return (prompts, num_samples, seeds) lists to queue on, numbered on from those so far
+    (refills.py), sharing the pool and row cap sized for the call's own prompts.
+    The engine's knobs (engine.py): kv_budget, GiB of KV blocks (None: every row at its longest;
+    on CUDA at most 90% of the free memory, `pool_blocks`); max_rows running at once (None: all);
+    block_size, positions a block holds; prefill_tokens, the most one prefill forward computes;
+    stats, a dict the call fills with the engine's counts (`Engine.counts`).
     -> list[Completion], prompt-major. The same seed gives the same samples, whatever the budget.
     """
     counts, seeds = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p,

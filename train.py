@@ -64,10 +64,10 @@ from moe import Routing
 
 @dataclass(frozen=True)
 class Rollouts:
-    """G episodes of each of several prompts, prompt-major, a row per completion (an episode of
-    several turns has a row per turn, consecutive): what a step carries from sampling to the
-    update. Every field holds one entry per row, except `records` and `group_sizes` (one per
-    group); steps 3 and 4 return copies with `advantages` and `old_logprobs` filled in."""
+    """What a step carries from sampling to the update: G episodes of each of several prompts,
+    prompt-major, a row per completion (an episode in turns: a row per turn, consecutive), one
+    entry per row in every field but `records` and `group_sizes` (one per group). Steps 3 and
+    4 return copies with `old_logprobs` and `advantages`."""
     records: list           # per group: the prompt's data record
     group_sizes: list       # per group: its rows (G_i episodes' turns; the adaptive budget varies G_i)
     prompts: list           # prompt token ids
@@ -268,17 +268,21 @@ def with_advantages(run, batch):
     # One advantage per episode (the group: a prompt's G episodes), given to each of its turns.
     rewards_ = torch.tensor([batch.rewards[i] for i in batch.episode_starts()],
                             dtype=torch.float64)  # (E,)
-    sizes = batch.episodes_per_group()
-    tokens = None
-    if run.args.adv_estimator in dapo.READ_LENGTHS:  # each episode's loss tokens, over its turns
-        counted = [len(t) * (not (run.args.overlong_filter and cut))
-                   for t, cut in zip(batch.tokens, batch.truncated)]  # (N,) each row's
-        tokens = torch.zeros(len(rewards_), dtype=torch.float64).index_add_(
-            0, torch.tensor(batch.episode_index(), dtype=torch.long),
-            torch.tensor(counted, dtype=torch.float64))  # (E,)
+    tokens = episode_loss_tokens(batch, run.args.overlong_filter) \
+        if run.args.adv_estimator in dapo.READ_LENGTHS else None
     # (reinforce_baseline and gpg read the whole batch: their sums are reduced over ranks)
-    advantages = dapo.sequence_advantages(run.args.adv_estimator, rewards_, sizes, tokens, all_reduce)
+    advantages = dapo.sequence_advantages(run.args.adv_estimator, rewards_,
+                                          batch.episodes_per_group(), tokens, all_reduce)
     return replace(batch, advantages=advantages[batch.episode_index()].tolist())  # (N,)
+
+
+def episode_loss_tokens(batch, overlong_filter):
+    """(E,) float64: each episode's loss tokens over its turns (the estimators that read lengths)."""
+    counted = [len(t) * (not (overlong_filter and cut))
+               for t, cut in zip(batch.tokens, batch.truncated)]  # (N,) each row's
+    return torch.zeros(len(batch.episode_starts()), dtype=torch.float64).index_add_(
+        0, torch.tensor(batch.episode_index(), dtype=torch.long),
+        torch.tensor(counted, dtype=torch.float64))  # (E,)
 
 
 def reinforce_pp_advantages(run, batch):
@@ -463,10 +467,8 @@ def policy_gradient_loss(run, mb, divisors, chosen=None):
     old = torch.where(mb.has_old[:, None], mb.old, logp.detach())  # (b, C) pi_old
     weights, sums = token_choice.token_weights(args, mb, old, chosen) \
         if args.tis_cap or args.tis_reject or chosen else (None, {})  # rollout correction, 80/20
-    settings = config.objective_settings(args)
-    if args.objective in objectives.CHOOSING:
-        settings["chosen"] = chosen.get("covariance")
     objective = objectives.OBJECTIVES[args.objective]  # losses.policy_loss: eq. 10
+    settings = config.objective_settings(args, chosen.get("covariance"))
     loss, stats = objective(logp, old, mb.advantages, mask, agg=args.loss_agg, token_weights=weights,
                             **settings, **divisors)
     tokens = float(stats["tokens"])

@@ -1,6 +1,7 @@
 """The reading path of one training step: every function and method that one step of the
 default run calls, in the files a reader follows (the model core, the sampler, the rewards, the
-losses, dapo.py and refills.py, train.py), with its lines; the files beside them are listed apart.
+losses, dapo.py and refills.py, train.py), with its lines; the files beside them (the sampler's
+engine, the chunked log-prob kernel, data, answer checking, ...) are listed apart.
 
     python recipes/reading-path.py            # one step of `python train.py`, traced
     python recipes/reading-path.py --list     # and every function, with its lines
@@ -105,8 +106,8 @@ def main():
         part = [r for r in rows if r[0] == on_path]
         print("the reading path" if on_path else "beside it (called, not on the path)")
         for _, file, count, lines in sorted(part, key=lambda r: -r[3]):
-            print(f"  {file:<16} {count:>4} definitions {lines:>6} lines")
-        print(f"  {'total':<16} {sum(r[2] for r in part):>4} definitions "
+            print(f"  {file:<20} {count:>4} definitions {lines:>6} lines")
+        print(f"  {'total':<20} {sum(r[2] for r in part):>4} definitions "
               f"{sum(r[3] for r in part):>6} lines in {len(part)} files")
 
 
