@@ -92,7 +92,8 @@ def _chunk_logprobs(hidden, head_weight, targets, temperature, softcap=None):
 def chunked_logprobs(hidden, weight, targets, temperature, chunk_rows, with_entropy, entropy_grad,
                      softcap=None):
     """hidden (N, C), weight (V, C), targets (N,) -> log p(target) (N,) float32 and the entropy of
-    each row's distribution ((N,) with with_entropy, else empty), chunk_rows rows at a time.
+    each row's distribution ((N,) with with_entropy or entropy_grad, else empty), chunk_rows rows
+    at a time.
     With entropy_grad the entropy carries a gradient (an entropy bonus): each chunk by autograd
     under activation checkpointing, which recomputes it in backward as ChunkedLogprobs does."""
     if not entropy_grad:

@@ -614,16 +614,18 @@ def reads_old_logprobs(args):
 
 
 def objective_settings(args, chosen=None):
-    """objectives.OBJECTIVES[args.objective]'s own keyword arguments under these flags; Clip-Cov
-    and KL-Cov take `chosen` too (token_choice.chosen_tokens' "covariance")."""
+    """objectives.OBJECTIVES[args.objective]'s own keyword arguments under these flags; the
+    objectives in objectives.CHOOSING take `chosen` too (token_choice.chosen_tokens'
+    "covariance")."""
     if args.objective == "sapo":
         return {"tau_pos": args.sapo_tau_pos, "tau_neg": args.sapo_tau_neg}
-    if args.objective == "kl-cov":
-        return {"kl_coef": args.kl_cov_coef, "chosen": chosen}
-    clip = {"eps_low": args.eps_low, "eps_high": args.eps_high}
-    if args.objective == "clip-cov":
-        return {**clip, "chosen": chosen}
-    return {**clip, "clip_c": args.clip_c} if args.objective == "clip" else clip
+    settings = {"kl_coef": args.kl_cov_coef} if args.objective == "kl-cov" else \
+        {"eps_low": args.eps_low, "eps_high": args.eps_high}
+    if args.objective == "clip":
+        settings["clip_c"] = args.clip_c
+    if args.objective in objectives.CHOOSING:  # Clip-Cov, KL-Cov
+        settings["chosen"] = chosen
+    return settings
 
 
 def tool_names(args):

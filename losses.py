@@ -38,6 +38,9 @@ import torch
 # Aggregation
 # ---------------------------------------------------------------------------------------------
 
+DIVISORS = ("num_tokens", "num_seqs", "max_tokens", "group_ids", "group_token_counts", "num_groups")
+
+
 def _as_divisor(value, like: torch.Tensor) -> torch.Tensor:
     """A divisor (int, float or tensor) as a tensor of `like`'s dtype and device."""
     return torch.as_tensor(value, dtype=like.dtype, device=like.device)
@@ -46,15 +49,13 @@ def _as_divisor(value, like: torch.Tensor) -> torch.Tensor:
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
               **divisors) -> torch.Tensor:
     """Reduce a per-token loss (B, T) over the tokens where `mask` (B, T) is nonzero, by one of
-    AGGREGATIONS (below, each beside its equation), or "none": the masked (B, T) loss.
-
-    `mask` is 0/1 (bool or float). A float value other than 1 scales that token's loss, but the
-    token still counts as one token in every count (as in `micro_batch_divisors`). `divisors`:
-    those of the whole mini-batch across micro-batches and ranks (`micro_batch_divisors`); a
-    divisor left out is this call's own count, clamped to >= 1, so a micro-batch with no loss
-    tokens gives 0.
-    """
-    if agg != "none" and agg not in AGGREGATIONS:
+    AGGREGATIONS (below, each beside its equation), or "none": the masked (B, T) loss. A mask
+    value other than 1 scales that token's loss, yet it counts as one token in every count.
+    `divisors` (DIVISORS): the whole mini-batch's over micro-batches and ranks
+    (`micro_batch_divisors`); one left out is this call's own count, clamped to >= 1."""
+    if set(divisors) - set(DIVISORS):  # a misspelt divisor must not fall back to the call's count
+        raise TypeError(f"aggregate: unknown divisors {sorted(set(divisors) - set(DIVISORS))}")
+    if agg != "none" and agg not in tuple(AGGREGATIONS):
         raise ValueError(f"unknown agg {agg!r}; expected one of {tuple(AGGREGATIONS)} or 'none'")
     active = mask != 0                                                    # (B, T) bool
     weights = mask.to(per_token.dtype)                                    # (B, T) 1 for 0/1 masks
@@ -62,6 +63,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mea
     per_token = torch.where(active, per_token * weights, torch.zeros_like(per_token))  # (B, T)
     return per_token if agg == "none" else AGGREGATIONS[agg](per_token, active, **divisors)
 
+
+# Each mode takes the loss as `aggregate` masked it (padding zeroed) and `active`, the loss tokens.
 
 def token_mean(per_token, active, num_tokens=None, **_):
     """DAPO eq. 12: 1 / sum_i |o_i| * sum_i sum_t l_it; divisor `num_tokens`."""

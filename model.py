@@ -174,9 +174,10 @@ def attend(q, k, v, mask, expand_kv=False, scale=None):
     """softmax(q k^T * scale + mask) v with grouped-query heads: q (B, Hq, T, D), k and v
     (B, Hkv, S, D), query head h reading key/value head h // (Hq / Hkv); mask (B, 1, T, S) bool,
     or None for plain causal attention; scale None: 1 / sqrt(D). `enable_gqa` reads the shared
-    heads in place, but CUDA's fused kernels take grouped heads (flash: no mask) or a mask
-    (memory-efficient), not both, and the fallback materialises (B, Hq, T, S) scores per layer:
-    with a mask over many tokens, `expand_kv` copies the heads out for the memory-efficient one.
+    heads in place (on the CPU copying them costs more than the attention), but CUDA's fused
+    kernels take grouped heads (flash: no mask) or a mask (memory-efficient), not both, and the
+    fallback makes (B, Hq, T, S) scores per layer: with a mask over many tokens, `expand_kv`
+    copies the heads out for the memory-efficient kernel.
     """
     groups = q.shape[1] // k.shape[1]
     if expand_kv and groups > 1:

@@ -208,11 +208,12 @@ def math_reward(response: str, truth, *, correct: float = 1.0, wrong: float = -1
 
     "correct": `correct` or `wrong` (DAPO eq. 7), "accuracy" 1.0 / 0.0, "extracted" 1.0 if
     verify.extract_answer read an answer, "format" (format_weight * "format_ok"), with
-    format_style "xml" also "integer" and "xml_count" (`xml_terms`; GSM8K's XML recipe: "xml",
-    format_weight 0.5, correct 2.0, wrong 0.0), "overlong" (eq. 13) and "ppl" (`shaping`: each on
-    when any of its arguments is given, then all of them are needed). `score`: (value, right)
-    from a reward function (`task_reward`) in eq. 7's place; `truth` is then not read. Bad
-    arguments raise ValueError; the response text never makes this raise.
+    format_style "xml" also "integer" (format_weight * an integer answer) and "xml_count"
+    (`xml_terms`; GSM8K's XML recipe: "xml", format_weight 0.5, correct 2.0, wrong 0.0),
+    "overlong" (eq. 13; on when max_len or cache_len is given, then with length, max_len and
+    cache_len all needed) and "ppl" (on when ppl_threshold or ppl_window is given, then with
+    mean_nll too). `score`: (value, right) from a reward function (`task_reward`) in eq. 7's
+    place; `truth` is then not read. Bad arguments raise ValueError; the text never does.
     """
     style = _format_style(format_style) if format_style is not None else None
     r_correct, r_wrong = _finite("correct", correct), _finite("wrong", wrong)

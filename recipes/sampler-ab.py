@@ -6,9 +6,10 @@ and whether the two draw the same tokens.
     python recipes/sampler-ab.py /tmp/before [--prompts 8 --samples 8 --new-tokens 64 --stops]
         [--dtype float32]
 
-Each checkout's model.py, moe.py, engine.py, rollout.py and checkpoints.py are imported on their own (speed.py
-once: its op registers once per process); the runs alternate, each first in every other round,
-after a warm-up call of each.
+Each checkout's model.py, moe.py, engine.py, rollout.py, checkpoints.py and what they import
+(OWN) are imported on their own (speed.py once: its op registers once per process); the runs
+alternate, each first in every other round, after a warm-up call of each; the ratio of the two
+is printed round by round.
 """
 
 import argparse
@@ -21,7 +22,8 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OWN = ("model", "moe", "engine", "rollout", "checkpoints", "lora", "quant")  # once per checkout
+OWN = ("model", "moe", "engine", "rollout", "chunked_logprobs", "cuda_graphs", "checkpoints", "lora",
+       "quant")  # imported once per checkout
 
 
 def import_checkout(path):
@@ -76,14 +78,21 @@ def main():
             if repeat:
                 times[name].append(time.perf_counter() - start)
                 tokens[name].append([c.tokens for c in out])
-    drawn = [sum(map(len, run)) for run in tokens["this"]]
+    # (with stops, bf16 rounding may give the two replies of other lengths: each its own count)
+    drawn = {name: [sum(map(len, run)) for run in tokens[name]] for name in paths}
     print(f"{args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
           f"stops {'on' if args.stops else 'off'}, {str(dtype)[6:]}, {bench.cpu_name()}, "
-          f"{torch.get_num_threads()} threads; tokens a run {drawn}")
+          f"{torch.get_num_threads()} threads; tokens a run {drawn['this']}")
+    speed = {name: [n / t for n, t in zip(drawn[name], times[name])] for name in paths}  # tok/s
     for name in paths:
-        median = statistics.median(times[name])
-        print(f"  {name:6s} {statistics.mean(drawn) / median:7.1f} tok/s  median {median:.2f} s  "
-              f"{[round(t, 2) for t in times[name]]}")
+        print(f"  {name:6s} {statistics.median(speed[name]):7.1f} tok/s (median)  "
+              f"seconds {[round(t, 2) for t in times[name]]}")
+    # Each round's two runs share the machine's state of the moment: their ratio is steadier
+    # than the ratio of the medians when the machine drifts between rounds.
+    ratios = sorted(t / b for b, t in zip(speed["before"], speed["this"]))
+    print(f"  this / before in tok/s, round by round: median {statistics.median(ratios):.3f}x, "
+          f"middle half {ratios[len(ratios) // 4]:.3f}-{ratios[(3 * len(ratios) - 1) // 4]:.3f}x, "
+          f"all {ratios[0]:.3f}-{ratios[-1]:.3f}x")
     for repeat, (a, b) in enumerate(zip(tokens["before"], tokens["this"])):
         differ = [row for row, (x, y) in enumerate(zip(a, b)) if x != y]
         print(f"  run {repeat + 1}: {len(a) - len(differ)} of {len(a)} rows the same tokens"

@@ -65,6 +65,18 @@ def test_dual_clip_caps_negative_advantage_loss():
         policy_loss(ratios.log(), torch.zeros_like(ratios), adv, torch.ones_like(ratios), clip_c=1.0)
 
 
+def test_aggregate_refuses_a_misspelt_divisor_and_an_unknown_mode():
+    """A divisor by a wrong name must not fall back silently to the micro-batch's own count (the
+    update would then differ between splits); an unknown mode names the known ones."""
+    per_token, mask = torch.ones(2, 3, dtype=F64), torch.ones(2, 3)
+    with pytest.raises(TypeError, match="num_token"):
+        aggregate(per_token, mask, "token-mean", num_token=5)
+    for agg in ("token_mean", ["token-mean"]):
+        with pytest.raises(ValueError, match="seq-mean-token-mean"):
+            aggregate(per_token, mask, agg)
+    assert aggregate(per_token, mask, "token-mean", num_tokens=12).item() == 0.5
+
+
 def test_aggregation_vectors():
     per_token = torch.tensor([[1.0, 3.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=F64)
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])

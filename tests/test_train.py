@@ -1707,6 +1707,12 @@ def test_objective_flags_are_checked(capsys):
     assert config.objective_settings(args) == {"eps_low": 0.2, "eps_high": 0.28}
     args, _ = config.parse_config(["--preset", "sapo", "--model", "x", "--sapo-tau-neg", "2"])
     assert config.objective_settings(args) == {"tau_pos": 1.0, "tau_neg": 2.0}
+    chosen = torch.ones(2, 3, dtype=torch.bool)  # the covariance objectives take the chosen tokens
+    args, _ = config.parse_config(["--model", "x", "--objective", "clip-cov"])
+    assert config.objective_settings(args, chosen) == {"eps_low": 0.2, "eps_high": 0.28,
+                                                       "chosen": chosen}
+    args, _ = config.parse_config(["--model", "x", "--objective", "kl-cov", "--kl-cov-coef", "2"])
+    assert config.objective_settings(args, chosen) == {"kl_coef": 2.0, "chosen": chosen}
     assert config.parse_config(["--preset", "cispo", "--model", "x"])[0].eps_low == 1.0  # no bound
     assert config.parse_config(["--preset", "gmpo", "--model", "x", "--eps-low", "1.5"])[0].eps_low == 1.5
     for argv, named in [(["--objective", "gspo", "--clip-c", "3"], "--objective gspo"),
