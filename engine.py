@@ -150,8 +150,8 @@ class Engine:
 
     def add(self, prompts, counts, keys, max_new_tokens):
         """Queues prompts with counts[i] rows each, numbered on from those so far (prompt-major),
-        keys (sum(counts),) int64 their random streams (rollout.sample_keys); recording routes, each row with its (P + N_new, L, k) buffer (-1: dense layers, and
-        positions never fed)."""
+        keys (sum(counts),) int64 their random streams (rollout.sample_keys); recording routes,
+        each row with its (P + N_new, L, k) buffer (-1: dense layers, and positions never fed)."""
         first_row, first_prompt, cfg = len(self.rows), len(self.groups), self.model.config
         rows = [Row(first_row + r, first_prompt + i, list(prompts[i])) for r, i in enumerate(
             i for i, c in enumerate(counts) for _ in range(c))]

@@ -53,8 +53,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mea
     value other than 1 scales that token's loss, yet it counts as one token in every count.
     `divisors` (DIVISORS): the whole mini-batch's over micro-batches and ranks
     (`micro_batch_divisors`); one left out is this call's own count, clamped to >= 1."""
-    if set(divisors) - set(DIVISORS):  # a misspelt divisor must not fall back to the call's count
-        raise TypeError(f"aggregate: unknown divisors {sorted(set(divisors) - set(DIVISORS))}")
+    if unknown := set(divisors).difference(DIVISORS):  # a misspelt one must not fall back silently
+        raise TypeError(f"aggregate: unknown divisors {sorted(unknown)}")
     if agg != "none" and agg not in tuple(AGGREGATIONS):
         raise ValueError(f"unknown agg {agg!r}; expected one of {tuple(AGGREGATIONS)} or 'none'")
     active = mask != 0                                                    # (B, T) bool

@@ -277,7 +277,8 @@ def with_advantages(run, batch):
 
 
 def episode_loss_tokens(batch, overlong_filter):
-    """(E,) float64: each episode's loss tokens over its turns (the estimators that read lengths)."""
+    """(E,) float64: each episode's loss tokens over its turns (for the estimators that read
+    lengths, dapo.READ_LENGTHS)."""
     counted = [len(t) * (not (overlong_filter and cut))
                for t, cut in zip(batch.tokens, batch.truncated)]  # (N,) each row's
     return torch.zeros(len(batch.episode_starts()), dtype=torch.float64).index_add_(

@@ -1,4 +1,5 @@
-"""Tests for engine.py, the sampler's engine: the paged KV cache, continuous batching, budgets, preemption.
+"""Tests for engine.py, the sampler's engine: the paged KV cache, continuous batching, budgets,
+preemption.
 
 Whatever the budget, the row cap or the block size, every sample is the one the sampler draws
 with everything fitting at once, and that is each prompt's own sample drawn alone: token for

@@ -474,7 +474,7 @@ def test_token_logprobs_gradient_and_checkpointing(tiny_ckpt, family):
         lp, ent = direct_logprobs(ours, ids, mask, 0.7)
         return (w_lp * lp).sum() + (w_ent * ent).sum()
 
-    def chunked_logp():  # log-probs only: the hand-written backward (chunked_logprobs.ChunkedLogprobs)
+    def chunked_logp():  # log-probs only: ChunkedLogprobs' hand-written backward
         lp, ent = token_logprobs(ours, ids, mask, temperature=0.7, chunk_size=5, with_entropy=True)
         assert not ent.requires_grad
         return (w_lp * lp).sum()
