@@ -7,9 +7,10 @@ and whether the two draw the same tokens.
         [--dtype float32]
 
 Each checkout's model.py, moe.py, engine.py, rollout.py, checkpoints.py and what they import
-(OWN) are imported on their own (speed.py once: its op registers once per process); the runs
-alternate, each first in every other round, after a warm-up call of each; the ratio of the two
-is printed round by round.
+(OWN) are imported on their own (speed.py once: its op registers once per process; its
+pack_linears is given each checkout's classes), with freed memory kept as train.py keeps it; the
+runs alternate, each first in every other round, after a warm-up call of each; the ratio of the
+two is printed round by round.
 """
 
 import argparse
@@ -31,12 +32,24 @@ def import_checkout(path):
     saved = {name: sys.modules.pop(name) for name in OWN if name in sys.modules}
     sys.path.insert(0, path)
     try:
-        return {name: importlib.import_module(name) for name in ("rollout", "checkpoints")}
+        return {name: importlib.import_module(name) for name in ("rollout", "checkpoints", "model")}
     finally:
         sys.path.remove(path)
         for name in OWN:
             sys.modules.pop(name, None)
         sys.modules.update(saved)
+
+
+def pack_checkout(model, classes):
+    """speed.pack_linears on a checkout's model: it finds the attention and MLP projections by
+    their classes, and a checkout's classes are its own (without this, only the head is packed)."""
+    import speed
+    saved = speed.Attention, speed.MLP
+    speed.Attention, speed.MLP = classes.Attention, classes.MLP
+    try:
+        return speed.pack_linears(model)
+    finally:
+        speed.Attention, speed.MLP = saved
 
 
 def main():
@@ -57,14 +70,18 @@ def main():
     sys.path.insert(0, HERE)
     import bench  # noqa: E402 (this checkout's; speed.py comes with it, once)
     from checkpoints import cpu_has_bf16
-    from speed import pack_linears
+    from speed import PackedLinear, keep_freed_memory
+    keep_freed_memory()  # as train.py and bench.py do: freed blocks are not faulted in again
     dtype = getattr(torch, args.dtype or ("bfloat16" if cpu_has_bf16() else "float32"))
     paths = {}
     for name, path in (("before", os.path.abspath(args.before)), ("this", HERE)):
         modules = import_checkout(path)
         model, tokenizer = modules["checkpoints"].load_model(None, dtype=dtype, device="cpu")
         stops = modules["rollout"].stop_token_ids(tokenizer) if args.stops else []
-        paths[name] = (modules["rollout"].generate, pack_linears(model), stops)
+        model = pack_checkout(model, modules["model"])
+        assert all(type(m) is PackedLinear for m in model.modules()  # (the bundled model is dense)
+                   if isinstance(m, torch.nn.Linear))
+        paths[name] = (modules["rollout"].generate, model, stops)
     prompts = bench.bench_prompts(tokenizer, args.prompts)
     times, tokens = {name: [] for name in paths}, {name: [] for name in paths}
     for repeat in range(args.repeats + 1):  # the first round warms up
@@ -96,7 +113,7 @@ def main():
     for repeat, (a, b) in enumerate(zip(tokens["before"], tokens["this"])):
         differ = [row for row, (x, y) in enumerate(zip(a, b)) if x != y]
         print(f"  run {repeat + 1}: {len(a) - len(differ)} of {len(a)} rows the same tokens"
-              + (f" (rows {differ} differ)" if differ else ""))
+              + (f" (rows {differ} differ)" if 0 < len(differ) <= 8 else ""))
 
 
 if __name__ == "__main__":

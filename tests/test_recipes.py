@@ -199,3 +199,35 @@ def test_gpu_check_train_part_runs_two_steps_and_keeps_their_seconds(tmp_path):
     train = text.split("## train: ")[1]
     assert train.startswith("ok, ") and "step 1: rollout" in train and "step 2: rollout" in train
     assert "update" in train and "peak" in train
+
+
+def test_sampler_ab_packs_every_projection_of_each_checkout(tiny_ckpt):
+    """recipes/sampler-ab.py imports each checkout's model.py on its own, whose Attention and MLP
+    are not the classes speed.pack_linears looks for: given the model alone, pack_linears packs
+    the head only (how the recipe measured until it passed each checkout's classes)."""
+    import importlib.util
+
+    import torch
+
+    from speed import PackedLinear
+    spec = importlib.util.spec_from_file_location("sampler_ab", ROOT / "recipes" / "sampler-ab.py")
+    sampler_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sampler_ab)
+    modules = sampler_ab.import_checkout(str(ROOT))
+    model = modules["checkpoints"].load_model(tiny_ckpt("llama3"), dtype=torch.float32)[0]
+    linears = [m for m in sampler_ab.pack_checkout(model, modules["model"]).modules()
+               if isinstance(m, torch.nn.Linear)]
+    assert len(linears) > 1 and all(type(m) is PackedLinear for m in linears)
+
+
+@pytest.mark.slow
+def test_the_reading_path_stays_under_1200_lines():
+    """recipes/reading-path.py traces one step of the default run: the functions it calls in the
+    seven files a reader follows stay within 1,200 lines (MEASUREMENTS.md, "Reading path"), so a
+    line added to a default step's code is a line taken from it somewhere else."""
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "reading-path.py")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    path = proc.stdout.split("beside it")[0]  # the first total is the path's
+    lines = int(path.split("total")[1].split("definitions")[1].split()[0])
+    assert 1000 < lines <= 1200, path
