@@ -42,7 +42,8 @@ def import_checkout(path):
 
 def pack_checkout(model, classes):
     """speed.pack_linears on a checkout's model: it finds the attention and MLP projections by
-    their classes, and a checkout's classes are its own (without this, only the head is packed)."""
+    their classes, and a checkout's classes are its own (without this, only the head is packed).
+    A LoRA base would be found by this checkout's LoRALinear: the bundled model has none."""
     import speed
     saved = speed.Attention, speed.MLP
     speed.Attention, speed.MLP = classes.Attention, classes.MLP
@@ -79,8 +80,10 @@ def main():
         model, tokenizer = modules["checkpoints"].load_model(None, dtype=dtype, device="cpu")
         stops = modules["rollout"].stop_token_ids(tokenizer) if args.stops else []
         model = pack_checkout(model, modules["model"])
-        assert all(type(m) is PackedLinear for m in model.modules()  # (the bundled model is dense)
-                   if isinstance(m, torch.nn.Linear))
+        if not all(type(m) is PackedLinear for m in model.modules()  # (the bundled model is dense)
+                   if isinstance(m, torch.nn.Linear)):
+            raise SystemExit(f"{path}: not every projection was packed; the two would not be "
+                             f"the sampler train.py runs")
         paths[name] = (modules["rollout"].generate, model, stops)
     prompts = bench.bench_prompts(tokenizer, args.prompts)
     times, tokens = {name: [] for name in paths}, {name: [] for name in paths}

@@ -209,25 +209,16 @@ def test_sampler_ab_packs_every_projection_of_each_checkout(tiny_ckpt):
 
     import torch
 
+    import model
+    import speed
     from speed import PackedLinear
     spec = importlib.util.spec_from_file_location("sampler_ab", ROOT / "recipes" / "sampler-ab.py")
     sampler_ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sampler_ab)
     modules = sampler_ab.import_checkout(str(ROOT))
-    model = modules["checkpoints"].load_model(tiny_ckpt("llama3"), dtype=torch.float32)[0]
-    linears = [m for m in sampler_ab.pack_checkout(model, modules["model"]).modules()
+    tiny = modules["checkpoints"].load_model(tiny_ckpt("llama3"), dtype=torch.float32)[0]
+    linears = [m for m in sampler_ab.pack_checkout(tiny, modules["model"]).modules()
                if isinstance(m, torch.nn.Linear)]
     assert len(linears) > 1 and all(type(m) is PackedLinear for m in linears)
+    assert (speed.Attention, speed.MLP) == (model.Attention, model.MLP)  # put back after
 
-
-@pytest.mark.slow
-def test_the_reading_path_stays_under_1200_lines():
-    """recipes/reading-path.py traces one step of the default run: the functions it calls in the
-    seven files a reader follows stay within 1,200 lines (MEASUREMENTS.md, "Reading path"), so a
-    line added to a default step's code is a line taken from it somewhere else."""
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "reading-path.py")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    path = proc.stdout.split("beside it")[0]  # the first total is the path's
-    lines = int(path.split("total")[1].split("definitions")[1].split()[0])
-    assert 1000 < lines <= 1200, path
