@@ -27,6 +27,7 @@ import torch
 from cuda_graphs import bucket
 from model import PagedKVCache
 from moe import Routing
+from speed import KeptRowsKVCache
 
 
 @dataclass
@@ -138,10 +139,14 @@ class Engine:
     running row one token; a row that ends frees its blocks at once, and a row that finds no free
     block preempts the newest running row (its blocks freed, recomputed when admitted again)."""
 
-    def __init__(self, model, num_blocks, block_size, max_rows, prefill_tokens, record):
+    def __init__(self, model, num_blocks, block_size, max_rows, prefill_tokens, record,
+                 keep_rows=False):
         self.model, self.max_rows, self.prefill_tokens, self.record = \
             model, max_rows, prefill_tokens, record
-        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
+        # keep_rows (eager decode steps, no KV budget): on a CPU the decoding rows' keys stay
+        # gathered between steps (speed.KeptRowsKVCache)
+        kind = KeptRowsKVCache if keep_rows and model.device.type == "cpu" else PagedKVCache
+        self.cache = kind(model.config, num_blocks, block_size, model.dtype, model.device)
         self.pool, self.block_size = BlockPool(num_blocks), block_size
         self.waiting, self.prefilling, self.decoding = deque(), [], []  # Prefill, Prefill, Row
         self.rows, self.groups, self.ended = [], [], []  # every Row; each prompt's; ended, unread

@@ -279,7 +279,7 @@ class PagedKVCache:
     order. A row holds the blocks its length needs, frees them when it stops, and shares its
     prompt's with the prompt's other rows (engine.py keeps the tables and reference counts).
     Block 0 is scratch: padding writes into it, tables are padded with it, attention masks it.
-    `Transformer.paged` sets `slots` and `tables` for one forward.
+    `Transformer.paged` sets `slots`, `tables` and `positions` for one forward.
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device):
@@ -291,6 +291,7 @@ class PagedKVCache:
         self.block_bytes = self.bytes_per_block(cfg, block_size, dtype)
         self.slots = None  # (b*T,) the flat slot each new token's k, v go to
         self.tables = None  # (b, nb) each row's blocks, padded with block 0
+        self.positions = None  # (b, T) each new token's position in its row
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
@@ -421,7 +422,7 @@ class Transformer(nn.Module):
         real = torch.arange(T, device=tokens.device) < count[:, None]  # (b, T)
         block = tables.gather(1, (positions // bs).clamp(max=tables.shape[1] - 1))  # (b, T)
         cache.slots = torch.where(real, block * bs + positions % bs, 0).view(-1)  # pads: block 0
-        cache.tables = tables
+        cache.tables, cache.positions = tables, positions
         key_pos = torch.arange(tables.shape[1] * bs, device=tokens.device)  # (S,) slot s = position s
         full = (key_pos <= positions[:, :, None])[:, None]  # (b, 1, T, S) causal, own keys only
         masks = {"full": full, "sliding": full}

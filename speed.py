@@ -3,6 +3,8 @@ are): the model file holds the model, in plain nn.Linear; nothing here acts at i
 
     pack_linears(model)      the sampler's products on oneDNN with weights packed once (a CPU)
     sampling_products()      the context rollout.generate enters: packed products on inside it
+    KeptRowsKVCache          the paged cache keeping the decoding rows' keys gathered between
+                             steps (a CPU's eager decode steps with no KV budget: engine.Engine)
     keep_freed_memory()      glibc keeps freed blocks: no page faults at every decode step
     compile_blocks(model)    torch.compile each block for the training and scoring forwards
 
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lora import LoRALinear
-from model import MLP, Attention, Transformer
+from model import MLP, Attention, PagedKVCache, Transformer
 
 # ----------------------------------------------------------------------------- packed products
 
@@ -159,6 +161,55 @@ def sampling_products():
             _SAMPLERS -= 1
             if _SAMPLERS == 0:
                 _ONEDNN_DTYPES = frozenset()
+
+
+# ----------------------------------------------------------------------------- kept rows
+
+class KeptRowsKVCache(PagedKVCache):
+    """The paged cache, with the decoding rows' keys and values also kept gathered from one
+    decode step to the next, as a static cache holds them: a step writes its token into the pool
+    and into the copy, and attention reads the copy, (2, Hkv, b, S, D) a layer, in place. The
+    paged cache alone gathers every row's blocks in every layer at every step: 8% of a CPU decode
+    step when no row stops early (MEASUREMENTS.md, "The engine"). The copy is gathered again when
+    the rows change (a prefill, a row that ends, a block copied on write) or their tables widen
+    (every block_size steps). It holds the decoding rows' keys once more beside the pool, so
+    engine.Engine takes it for a CPU's eager decode steps with no KV budget only.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kept = []  # per layer (2, Hkv, b, S, D), gathered at the decode step that needs it
+        self.kept_tables = None  # (b, nb) the tables the copy was gathered through; None: none
+        self.at = None  # (b,) each row's new token's index in the flattened copy
+        self.gathers = 0  # layers gathered (the tests count them)
+
+    def write(self, layer, k, v):
+        b, H, T, D = k.shape
+        if T > 1:  # a prefill chunk: rows join, blocks change hands
+            self.kept_tables = None
+            return super().write(layer, k, v)
+        if layer == 0:
+            self.follow()
+        pool = self.kv[layer]
+        new = torch.stack((k[:, :, 0], v[:, :, 0])).transpose(1, 2)  # (2, Hkv, b, D)
+        pool.view(2, H, -1, D).index_copy_(2, self.slots, new)  # the pool holds every row's too
+        if len(self.kept) == layer:  # gathered through the tables, new token included
+            self.kept.append(pool.index_select(2, self.tables.view(-1)).view(2, H, b, -1, D))
+            self.gathers += 1
+        else:
+            self.kept[layer].view(2, H, -1, D).index_copy_(2, self.at, new)
+        return self.kept[layer][0], self.kept[layer][1]
+
+    def follow(self):
+        """Before a decode step's first layer: does the copy still hold these rows? The same
+        width, each block it was gathered through in place; a row may have taken a new block
+        where its table had padding (block 0). If not, this step gathers it again."""
+        old, tables = self.kept_tables, self.tables  # (b, nb) each
+        if old is None or old.shape != tables.shape or \
+                not torch.equal(tables.masked_fill(old == 0, 0), old):
+            self.kept, self.kept_tables = [], tables
+        rows = torch.arange(tables.shape[0], device=tables.device)
+        self.at = rows * tables.shape[1] * self.block_size + self.positions[:, 0]  # (b,)
 
 
 # ----------------------------------------------------------------------------- memory

@@ -96,6 +96,46 @@ def test_block_sizes_keep_every_sample(tiny, block_size):
     assert stats["blocks_in_use"] == 0
 
 
+@pytest.mark.parametrize("family", [f if f in QUICK + ("gemma2",) else
+                                    pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
+def test_kept_rows_equal_a_gather_at_every_step(tiny, family, monkeypatch):
+    """speed.KeptRowsKVCache, a CPU's cache for eager steps with no budget, keeps the decoding
+    rows' keys gathered between steps: the samples of the pool gathered at every step, with rows
+    that stop, rows that join mid-decode (a row cap), one-position blocks (the tables widen at
+    every step), soft caps and sliding windows. It gathers again only when the rows change or
+    their tables widen, and is not taken under a budget."""
+    import engine
+    from model import PagedKVCache
+    from speed import KeptRowsKVCache
+    caches = []
+
+    class Recorded(KeptRowsKVCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            caches.append(self)
+    monkeypatch.setattr(engine, "KeptRowsKVCache", Recorded)
+    model = tiny(family)
+    prompts, layers = prompts_of(model), model.config.num_layers
+    for limits in (dict(stop_token_ids=[9, 17, 30]), dict(max_rows=4, stop_token_ids=[9]),
+                   dict(block_size=1)):
+        kw = dict(num_samples=3, max_new_tokens=30, temperature=1.0, seed=7, compile=False,
+                  record_routing=True, **limits)
+        stats = {}
+        got = generate(model, prompts, stats=stats, **kw)
+        with monkeypatch.context() as gathering:
+            gathering.setattr(engine, "KeptRowsKVCache", PagedKVCache)
+            want = generate(model, prompts, **kw)
+        assert_same(got, want)
+        for a, b in zip(got, want):
+            assert a.routing is None or torch.equal(a.routing, b.routing)
+        assert layers <= caches[-1].gathers <= layers * stats["decode_steps"], limits
+    # Every row to the limit, lengths 3 to 20 + 30 positions: widening at 32 and 48, gathered 3 times
+    generate(model, prompts, num_samples=3, max_new_tokens=30, temperature=1.0, compile=False)
+    assert caches[-1].gathers == 3 * layers
+    generate(model, prompts, num_samples=3, max_new_tokens=30, kv_budget=budget(model, 40))
+    assert len(caches) == 4  # under a budget the pool alone
+
+
 def test_a_prompt_is_prefilled_once_for_its_samples(tiny):
     """The prefill computes sum(prompt lengths) positions, not G times that: the samples share
     the prompt's blocks (a partly filled last block is copied when a sample first writes)."""
