@@ -178,27 +178,27 @@ class KeptRowsKVCache(PagedKVCache):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.kept = []  # per layer (2, Hkv, b, S, D), gathered at the decode step that needs it
+        self.kept = []  # per layer (keys, values), (Hkv, b, S, D) each, gathered when needed
         self.kept_tables = None  # (b, nb) the tables the copy was gathered through; None: none
         self.at = None  # (b,) each row's new token's index in the flattened copy
         self.gathers = 0  # layers gathered (the tests count them)
 
     def write(self, layer, k, v):
-        b, H, T, D = k.shape
+        _, H, T, D = k.shape
         if T > 1:  # a prefill chunk: rows join, blocks change hands
             self.kept_tables = None
             return super().write(layer, k, v)
         if layer == 0:
             self.follow()
-        pool = self.kv[layer]
-        new = torch.stack((k[:, :, 0], v[:, :, 0])).transpose(1, 2)  # (2, Hkv, b, D)
-        pool.view(2, H, -1, D).index_copy_(2, self.slots, new)  # the pool holds every row's too
-        if len(self.kept) == layer:  # gathered through the tables, new token included
-            self.kept.append(pool.index_select(2, self.tables.view(-1)).view(2, H, b, -1, D))
+        if len(self.kept) == layer:  # the pool's own write and gather, new token included
+            self.kept.append(super().write(layer, k, v))  # keys, values (Hkv, b, S, D)
             self.gathers += 1
-        else:
-            self.kept[layer].view(2, H, -1, D).index_copy_(2, self.at, new)
-        return self.kept[layer][0], self.kept[layer][1]
+            return self.kept[layer]
+        new = torch.stack((k[:, :, 0], v[:, :, 0])).transpose(1, 2)  # (2, Hkv, b, D)
+        self.kv[layer].view(2, H, -1, D).index_copy_(2, self.slots, new)  # the pool keeps it too
+        for kept, token in zip(self.kept[layer], new):  # and the copy, at each row's position
+            kept.view(H, -1, D).index_copy_(1, self.at, token)
+        return self.kept[layer]
 
     def follow(self):
         """Before a decode step's first layer: does the copy still hold these rows? The same

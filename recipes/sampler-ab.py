@@ -53,6 +53,20 @@ def pack_checkout(model, classes):
         speed.Attention, speed.MLP = saved
 
 
+def load_checkout(path, dtype, stops):
+    """-> (generate, the bundled model packed, stop ids, tokenizer) of the checkout at path."""
+    from speed import PackedLinear
+    modules = import_checkout(path)
+    model, tokenizer = modules["checkpoints"].load_model(None, dtype=dtype, device="cpu")
+    model = pack_checkout(model, modules["model"])
+    if not all(type(m) is PackedLinear for m in model.modules()  # (the bundled model is dense)
+               if isinstance(m, torch.nn.Linear)):
+        raise SystemExit(f"{path}: not every projection was packed; the two would not be the "
+                         f"sampler train.py runs")
+    stop_ids = modules["rollout"].stop_token_ids(tokenizer) if stops else []
+    return modules["rollout"].generate, model, stop_ids, tokenizer
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("before", help="a checkout of this repository (e.g. a git worktree)")
@@ -71,26 +85,17 @@ def main():
     sys.path.insert(0, HERE)
     import bench  # noqa: E402 (this checkout's; speed.py comes with it, once)
     from checkpoints import cpu_has_bf16
-    from speed import PackedLinear, keep_freed_memory
+    from speed import keep_freed_memory
     keep_freed_memory()  # as train.py and bench.py do: freed blocks are not faulted in again
     dtype = getattr(torch, args.dtype or ("bfloat16" if cpu_has_bf16() else "float32"))
-    paths = {}
-    for name, path in (("before", os.path.abspath(args.before)), ("this", HERE)):
-        modules = import_checkout(path)
-        model, tokenizer = modules["checkpoints"].load_model(None, dtype=dtype, device="cpu")
-        stops = modules["rollout"].stop_token_ids(tokenizer) if args.stops else []
-        model = pack_checkout(model, modules["model"])
-        if not all(type(m) is PackedLinear for m in model.modules()  # (the bundled model is dense)
-                   if isinstance(m, torch.nn.Linear)):
-            raise SystemExit(f"{path}: not every projection was packed; the two would not be "
-                             f"the sampler train.py runs")
-        paths[name] = (modules["rollout"].generate, model, stops)
-    prompts = bench.bench_prompts(tokenizer, args.prompts)
+    paths = {name: load_checkout(path, dtype, args.stops)
+             for name, path in (("before", os.path.abspath(args.before)), ("this", HERE))}
+    prompts = bench.bench_prompts(paths["this"][3], args.prompts)
     times, tokens = {name: [] for name in paths}, {name: [] for name in paths}
     for repeat in range(args.repeats + 1):  # the first round warms up
         # Each goes first in every other round: the first of a pair ran ~4% faster here.
         for name in sorted(paths, reverse=repeat % 2 == 1):
-            generate, model, stops = paths[name]
+            generate, model, stops, _ = paths[name]
             start = time.perf_counter()
             out = generate(model, prompts, num_samples=args.samples, temperature=0.8, seed=repeat,
                            max_new_tokens=args.new_tokens if repeat else 4, stop_token_ids=stops,
