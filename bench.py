@@ -139,8 +139,10 @@ def bench_paths(ours, hf, prompts, args):
 PATH_KEYS = {"ours eager": "ours", "ours compiled": "ours-compiled", "ours, CUDA graphs": "ours-graphs",
              "transformers eager": "hf",
              "transformers static+compiled": "hf-compiled", "ours": "ours",
+             "paged": "ours", "paged, CUDA graphs": "ours-graphs",
+             "paged, FlexAttention": "ours-flex", "paged, FlexAttention, CUDA graphs": "ours-flex-graphs",
              "ours, blocks compiled": "ours-compiled", "transformers": "hf"}
-PATHS = list(dict.fromkeys(PATH_KEYS.values()))  # ours, ours-compiled, ours-graphs, hf, hf-compiled
+PATHS = list(dict.fromkeys(PATH_KEYS.values()))  # ours, ours-compiled, ours-graphs, hf, ...
 
 
 def bandwidth_bound(model: Transformer, rows: int, context: float) -> float:
@@ -239,7 +241,8 @@ def bench_engine(args):
     """RL's long tail. On a CPU, under one KV budget (about a quarter of what every row at its
     longest needs): static batching in four waves that fit it, each waiting for its longest row,
     against the paged engine's continuous batching; and the engine with no budget. On CUDA, all
-    rows at once: the engine eager and under CUDA graphs against transformers' generate (its
+    rows at once: the engine eager and under CUDA graphs, its decode attention gathered or
+    through FlexAttention (flex_decode.py), against transformers' generate (its
     batch waits for its longest row) and the memory-bandwidth bound. Our paths draw the same
     samples (checked; in bf16 on CUDA, counted: other shapes may round differently); the model
     samples near uniformly (temperature 10^4) and `long_tail_stops` draws the lengths."""
@@ -270,11 +273,14 @@ def bench_engine(args):
             return static_waves(model, waves, sampling)
         budget = budget_blocks * block_bytes / 2**30 if name.startswith("paged, budget") else None
         out = generate(model, prompts, seed=7, kv_budget=budget, stats=stats.setdefault(name, {}),
-                       cuda_graphs=name.endswith("CUDA graphs"), **sampling)
+                       cuda_graphs=name.endswith("CUDA graphs"),
+                       flex_attention="FlexAttention" in name, **sampling)
         return [c.tokens for c in out]
     if device.type == "cuda":
         hf = hf_model(args.model, dtype, device, tokenizer)
-        names = ["paged", "paged, CUDA graphs", "transformers"]
+        names = [name for name in ["paged", "paged, CUDA graphs", "paged, FlexAttention",
+                                   "paged, FlexAttention, CUDA graphs", "transformers"]
+                 if PATH_KEYS[name] in args.paths]
     else:
         names = ["static waves", "paged, budget", "paged, no budget"]
     for name in list(names):  # warm-up: kernels chosen, libraries loaded
@@ -643,9 +649,10 @@ def main(argv=None):
                          "(default: both where the device has native bf16, else float32; update: "
                          "bfloat16 means bf16 autocast)")
     parser.add_argument("--paths", default=",".join(PATHS),
-                        help="sampler and update: which paths to time, comma-separated, of ours, "
-                        "ours-compiled, ours-graphs (CUDA graphs, sampler on CUDA only), hf "
-                        "(transformers eager), hf-compiled (sampler only)")
+                        help="sampler, update and engine on CUDA: which paths to time, "
+                        "comma-separated, of ours, ours-compiled, ours-graphs (CUDA graphs, on "
+                        "CUDA only), ours-flex, ours-flex-graphs (engine: decode attention through "
+                        "FlexAttention), hf (transformers eager), hf-compiled (sampler only)")
     update = parser.add_argument_group("update")
     update.add_argument("--batch", type=int, default=8, help="log-prob memory: rows")
     update.add_argument("--length", type=int, default=512, help="log-prob memory: tokens per row")

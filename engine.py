@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cuda_graphs import bucket
+from flex_decode import FlexPagedKVCache
 from model import PagedKVCache
 from moe import Routing
 from speed import KeptRowsKVCache
@@ -140,12 +141,14 @@ class Engine:
     block preempts the newest running row (its blocks freed, recomputed when admitted again)."""
 
     def __init__(self, model, num_blocks, block_size, max_rows, prefill_tokens, record,
-                 keep_rows=False):
+                 keep_rows=False, flex=False):
         self.model, self.max_rows, self.prefill_tokens, self.record = \
             model, max_rows, prefill_tokens, record
         # keep_rows (eager decode steps, no KV budget): on a CPU the decoding rows' keys stay
-        # gathered between steps (speed.KeptRowsKVCache)
-        kind = KeptRowsKVCache if keep_rows and model.device.type == "cpu" else PagedKVCache
+        # gathered between steps (speed.KeptRowsKVCache); flex: decode steps read the pool in
+        # place through FlexAttention (flex_decode.py)
+        kind = FlexPagedKVCache if flex else \
+            KeptRowsKVCache if keep_rows and model.device.type == "cpu" else PagedKVCache
         self.cache = kind(model.config, num_blocks, block_size, model.dtype, model.device)
         self.pool, self.block_size = BlockPool(num_blocks), block_size
         self.waiting, self.prefilling, self.decoding = deque(), [], []  # Prefill, Prefill, Row

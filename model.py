@@ -153,16 +153,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # the sampler: each row's keys and values through its block table
-            k, v = cache.write(layer, k, v)  # (Hkv, B, S, D), heads first
-            if self.softcap or T == 1:
-                y = attend_paged(q, k, v, mask, self.scale, self.softcap)
-            else:  # a prefill chunk
-                y = attend(q, k.transpose(0, 1), v.transpose(0, 1), mask, expand_kv=q.is_cuda,
-                           scale=self.scale)
-        elif self.softcap or T == 1:
-            # Gemma 2's tanh fits no fused kernel; one query row is two small matrix products
-            # (on the CPU 5-10x faster than SDPA's flash kernel; on CUDA they read the grouped
-            # heads in place, where SDPA with a mask and grouped heads copies them).
+            y = cache.attend(layer, q, k, v, mask, self.scale, self.softcap)
+        elif self.softcap or T == 1:  # Gemma 2's tanh, or one query row: attend_grouped says why
             y = attend_grouped(q, k, v, mask, self.scale, self.softcap)
         else:
             y = attend(q, k, v, mask, expand_kv=q.is_cuda and mask is not None and T > 1,
@@ -194,7 +186,10 @@ def attend_grouped(q, k, v, mask, scale=None, cap=None):
         y = softmax(scores + mask) v
 
     q (B, Hq, T, D), k and v (B, Hkv, S, D), mask (B, 1, T, S) bool or None (plain causal).
-    Forms the (B, Hq, T, S) scores, so it is for decode steps (T = 1) and Gemma 2's soft cap.
+    Forms the (B, Hq, T, S) scores, so it is for decode steps (T = 1) and Gemma 2's soft cap:
+    its tanh fits no fused kernel, and one query row is two small matrix products (on the CPU
+    5-10x faster than SDPA's flash kernel; on CUDA they read the grouped heads in place, where
+    SDPA with a mask and grouped heads copies them).
     """
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -214,10 +209,9 @@ def attend_grouped(q, k, v, mask, scale=None, cap=None):
 
 
 def attend_paged(q, k, v, mask, scale=None, cap=None):
-    """`attend_grouped` over keys and values laid out heads first, as `PagedKVCache.write`
-    gathers them: q (b, Hq, T, D), k and v (Hkv, b, S, D), mask (b, 1, T, S) bool. Batched over
-    (Hkv, b), the matrix products read the gathered keys in place.
-    Forms the (b, Hq, T, S) scores: decode steps, and Gemma 2's soft cap."""
+    """`attend_grouped` (decode steps, Gemma 2's cap) over keys and values laid out heads first,
+    as `PagedKVCache.write` gathers them: q (b, Hq, T, D), k and v (Hkv, b, S, D), mask (b, 1, T,
+    S) bool. Batched over (Hkv, b), the matrix products read the gathered keys in place."""
     b, Hq, T, D = q.shape
     Hkv, S = k.shape[0], k.shape[2]
     qh = q.reshape(b, Hkv, Hq // Hkv * T, D).transpose(0, 1)  # (Hkv, b, G*T, D)
@@ -279,8 +273,7 @@ class PagedKVCache:
     order. A row holds the blocks its length needs, frees them when it stops, and shares its
     prompt's with the prompt's other rows (engine.py keeps the tables and reference counts).
     Block 0 is scratch: padding writes into it, tables are padded with it, attention masks it.
-    `Transformer.paged` sets `slots`, `tables` and `positions` for one forward.
-    """
+    `Transformer.paged` sets `slots`, `tables` and `positions` for one forward."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device):
         # Keys and values of a layer in one tensor, heads first: one gather reads both, and comes
@@ -298,15 +291,25 @@ class PagedKVCache:
         """Keys and values of one block in every layer."""
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
-    def write(self, layer, k, v):
-        """Stores k, v (b, Hkv, T, D) at `slots` and returns each row's keys and values, (Hkv, b,
-        S, D) with S = nb * block_size, position s at index s (a gather through the tables)."""
+    def store(self, layer, k, v):
+        """Writes the new keys and values k, v (b, Hkv, T, D) at their `slots`."""
         b, H, T, D = k.shape
-        pool = self.kv[layer]
         new = torch.stack((k, v)).transpose(1, 2).reshape(2, H, b * T, D)  # (2, Hkv, b*T, D)
-        pool.view(2, H, -1, D).index_copy_(2, self.slots, new)
+        self.kv[layer].view(2, H, -1, D).index_copy_(2, self.slots, new)
+
+    def write(self, layer, k, v):
+        """Stores k, v; -> each row's keys and values gathered through its table, (Hkv, b, S, D)."""
+        self.store(layer, k, v)
+        pool, (b, H, _, D) = self.kv[layer], k.shape
         rows = pool.index_select(2, self.tables.view(-1)).view(2, H, b, -1, D)  # (2, Hkv, b, S, D)
         return rows[0], rows[1]
+
+    def attend(self, layer, q, k, v, mask, scale=None, softcap=None):
+        """Stores k, v (b, Hkv, T, D); q (b, Hq, T, D) attends to its row's keys, mask (b, 1, T, S)."""
+        k, v = self.write(layer, k, v)  # (Hkv, b, S, D), heads first: position s at index s
+        if softcap or q.shape[2] == 1:  # a decode step (or Gemma 2's cap)
+            return attend_paged(q, k, v, mask, scale, softcap)
+        return attend(q, k.transpose(0, 1), v.transpose(0, 1), mask, q.is_cuda, scale)  # prefill
 
     def copy_block(self, source: int, target: int):
         """Copies one block's keys and values in every layer (a shared block a row writes into)."""

@@ -214,7 +214,8 @@ def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_
 def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, temperature=1.0,
              top_p=1.0, top_k=0, stop_token_ids=(), seed=0, compile=None, check_every=None,
              record_routing=False, stream=None, kv_budget=None, max_rows=None, block_size=16,
-             prefill_tokens=8192, stats=None, on_group=None, cuda_graphs=False):
+             prefill_tokens=8192, stats=None, on_group=None, cuda_graphs=False,
+             flex_attention=False):
     """prompts: token-id lists; num_samples, seed: an int, or one per prompt. compile: the decode
     step through torch.compile (None: eager; `step_function`); cuda_graphs: decode steps padded
     to buckets, on a GPU replayed as CUDA graphs. record_routing: on an MoE, each Completion's
@@ -224,9 +225,9 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     return (prompts, num_samples, seeds) lists to queue on, numbered on from those so far
     (refills.py), sharing the pool and row cap sized for the call's own prompts.
     The engine's knobs (engine.py): kv_budget, GiB of KV blocks (None: every row at its longest;
-    on CUDA at most 90% of the free memory, `pool_blocks`); max_rows running at once (None: all);
-    block_size, positions a block holds; prefill_tokens, the most one prefill forward computes;
-    stats, a dict the call fills with the engine's counts (`Engine.counts`).
+    on CUDA at most 90% of the free memory); max_rows running at once (None: all); block_size;
+    prefill_tokens, the most one prefill forward computes; stats, a dict of the engine's counts;
+    flex_attention, decode attention over the pool in place (flex_decode.py).
     -> list[Completion], prompt-major. The same seed gives the same samples, whatever the budget.
     """
     counts, seeds = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p,
@@ -239,7 +240,7 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     captured = isinstance(step_fn, BucketedStep) and step_fn.capture  # graphs on a GPU
     engine = Engine(model, pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget,
                                        rows, captured), block_size, rows, prefill_tokens, record,
-                    keep_rows=kv_budget is None and step_fn is decode_step)
+                    keep_rows=kv_budget is None and step_fn is decode_step, flex=flex_attention)
     engine.add(prompts, counts, sample_keys(seeds, counts), max_new_tokens)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
     stop_ids, steps = set(stop_token_ids), 0
@@ -286,11 +287,10 @@ def queue_more(engine, more, max_new_tokens, sampling, check_every):
 
 
 def step_function(model, compile, record, cuda_graphs=False):
-    """The decode step: eager unless `compile` is True (None: eager on every device; on an H100
-    the whole step's first compile for Qwen2.5-0.5B outlasted 4 minutes, MEASUREMENTS.md "On a
-    GPU") or `cuda_graphs` (padded to buckets, replayed as CUDA graphs on a GPU: cuda_graphs.py;
-    the same padding, eager, elsewhere); eager on an MoE (it groups tokens by expert with a host
-    read) and when recording routes (eager work)."""
+    """The decode step: eager unless `compile` is True (None: eager; on an H100 the whole step's
+    first compile for Qwen2.5-0.5B outlasted 4 minutes, MEASUREMENTS.md "On a GPU") or
+    `cuda_graphs` (padded to buckets, replayed as CUDA graphs on a GPU: cuda_graphs.py; the same
+    padding, eager, elsewhere); eager on an MoE (it groups tokens by expert with a host read)."""
     if model.config.num_experts or record:
         return decode_step
     if cuda_graphs:

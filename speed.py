@@ -194,10 +194,9 @@ class KeptRowsKVCache(PagedKVCache):
             self.kept.append(super().write(layer, k, v))  # keys, values (Hkv, b, S, D)
             self.gathers += 1
             return self.kept[layer]
-        new = torch.stack((k[:, :, 0], v[:, :, 0])).transpose(1, 2)  # (2, Hkv, b, D)
-        self.kv[layer].view(2, H, -1, D).index_copy_(2, self.slots, new)  # the pool keeps it too
-        for kept, token in zip(self.kept[layer], new):  # and the copy, at each row's position
-            kept.view(H, -1, D).index_copy_(1, self.at, token)
+        self.store(layer, k, v)  # the new token into the pool, and into the copy at each row's
+        for kept, new in zip(self.kept[layer], (k, v)):  # place; new (b, Hkv, 1, D)
+            kept.view(H, -1, D).index_copy_(1, self.at, new[:, :, 0].transpose(0, 1))
         return self.kept[layer]
 
     def follow(self):

@@ -8,6 +8,7 @@ preemptions (counted), and the pool never holds more than it was given."""
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 
 from conftest import FAMILIES, random_ids
 from rollout import generate
@@ -134,6 +135,58 @@ def test_kept_rows_equal_a_gather_at_every_step(tiny, family, monkeypatch):
     assert caches[-1].gathers == 3 * layers
     generate(model, prompts, num_samples=3, max_new_tokens=30, kv_budget=budget(model, 40))
     assert len(caches) == 4  # under a budget the pool alone
+
+
+@pytest.mark.parametrize("family", [f if f == "llama3" else
+                                    pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
+def test_flex_attention_reads_the_pool_as_the_gather_does(tiny, family, monkeypatch):
+    """flex_decode.FlexPagedKVCache (decode attention through FlexAttention over the pool in
+    place; eager here, so its mask_mod alone decides what each row sees): the samples of the
+    gathered path, for every family (grouped heads, sliding windows past their width, Gemma 2's
+    soft cap, MoE routing), with rows that stop, a budget that forces waits and preemptions
+    (stale keys left in blocks that change hands), one-position blocks, and the steps padded to
+    buckets of rows and blocks as CUDA graphs replay them (padding rows see nothing)."""
+    import flex_decode
+    calls = []
+    monkeypatch.setattr(flex_decode, "flex_attention",
+                        lambda *args, **kwargs: calls.append(1) or flex_attention(*args, **kwargs))
+    model = tiny(family)
+    prompts = prompts_of(model)
+    for limits in (dict(stop_token_ids=[9, 17, 30]), dict(kv_budget=budget(model, 7)),
+                   dict(block_size=1, max_rows=4), dict(cuda_graphs=True, top_k=20)):
+        kw = dict(num_samples=3, max_new_tokens=30, temperature=1.0, seed=11, compile=False,
+                  record_routing=True, **limits)
+        stats = {}
+        got = generate(model, prompts, flex_attention=True, stats=stats, **kw)
+        want = generate(model, prompts, **kw)
+        assert_same(got, want)
+        for a, b in zip(got, want):
+            assert a.routing is None or torch.equal(a.routing, b.routing)
+        if "kv_budget" in limits:
+            assert stats["preemptions"] > 0 and stats["waits"] > 0
+        assert len(calls) >= model.config.num_layers * stats["decode_steps"]  # every layer's
+        calls.clear()
+
+
+def test_flex_block_mask_by_hand():
+    """Two rows, blocks of 4: row 0 holds blocks 3, 1 and is at position 5 (it sees pool
+    positions 12-15 and 4, 5); row 1 holds block 2 (stale keys past its position 1) at position
+    1 and sees 8, 9; with a window of 2, row 0 sees positions 4 and 5 only."""
+    from flex_decode import FlexPagedKVCache
+    from model import ModelConfig
+    cfg = ModelConfig("llama", 32, 8, 16, 1, 2, 1, 4, 1e-5, 1e4, None, 64, False, False, False,
+                      sliding_window=2, layer_types=("sliding",))
+    cache = FlexPagedKVCache(cfg, 5, 4, torch.float32, "cpu")
+    cache.tables, cache.positions = torch.tensor([[3, 1], [2, 0]]), torch.tensor([[5], [1]])
+    seen = {}
+    for window in (None, 2):
+        mask = cache.block_mask(window)
+        dense = mask.mask_mod(torch.arange(2)[:, None], 0, 0, torch.arange(20)[None])  # (2, 20)
+        seen[window] = [torch.nonzero(r).view(-1).tolist() for r in dense]
+        assert mask.kv_num_blocks.view(-1).tolist() == [2, 1]
+        assert mask.kv_indices[:, 0, 0, :2].tolist() == [[3, 1], [2, 0]]
+    assert seen[None] == [[4, 5, 12, 13, 14, 15], [8, 9]]
+    assert seen[2] == [[4, 5], [8, 9]]
 
 
 def test_a_prompt_is_prefilled_once_for_its_samples(tiny):

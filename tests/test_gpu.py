@@ -1,7 +1,8 @@
 """The CUDA path, for the day a GPU is lent (every test skips without CUDA): logit parity with
 transformers on the GPU for every family in float32 and bfloat16, the KV-cache decode, the sampler
-compiled against eager, and train.py under torchrun with NCCL (DDP, one rank) with an exact
-resume. `recipes/gpu-check.sh` runs these in its tests, nccl and compiled parts."""
+compiled against eager, FlexAttention's decode against the gathered one, and train.py under
+torchrun with NCCL (DDP, one rank) with an exact resume. `recipes/gpu-check.sh` runs these in its
+tests, flex, nccl and compiled parts."""
 
 import pytest
 import torch
@@ -120,6 +121,22 @@ def test_cuda_graphs_sampler_equals_eager(checkpoints, dtype, monkeypatch):
             assert sum(a[:1] == b[:1] for a, b in zip(eager, graphed)) >= len(eager) - 1
     graphed = [s for s in steps if isinstance(s, BucketedStep)]
     assert graphed and all(s.capture for s in graphed) and len(graphed[-1].graphs) > 1
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2"])
+def test_cuda_flex_attention_equals_the_gathered_decode(checkpoints, family):
+    """flex_decode.py on CUDA: FlexAttention compiled into a kernel that visits only each row's
+    listed blocks (grouped heads, a sliding window, Gemma 2's soft cap), eager and captured as
+    CUDA graphs, draws the gathered decode's samples in float32; rows stop, so buckets change."""
+    ours = load_model(checkpoints(family), dtype=torch.float32, device=CUDA)[0]
+    prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (4, 9, 13, 30)]
+    kw = dict(num_samples=5, max_new_tokens=60, temperature=1.0, stop_token_ids=[3, 7, 11],
+              seed=7, compile=False)
+    gathered = [c.tokens for c in generate(ours, prompts, **kw)]
+    for graphs in (False, True):
+        flex = [c.tokens for c in generate(ours, prompts, flex_attention=True, cuda_graphs=graphs,
+                                           **kw)]
+        assert sum(a == b for a, b in zip(gathered, flex)) >= len(gathered) - 1, graphs
 
 
 def test_cuda_sampler_seeded_samples_equal_the_cpus(checkpoints):

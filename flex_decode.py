@@ -1,0 +1,79 @@
+"""Decode attention that reads the paged KV pool in place, through FlexAttention (Dong et al.
+2024, "Flex Attention: A Programming Model for Generating Optimized Attention Kernels"); applied
+from outside the model: `rollout.generate(..., flex_attention=True)` gives its engine a
+`FlexPagedKVCache`.
+
+The paged cache's own decode step (model.PagedKVCache.attend) gathers every row's blocks into one
+(Hkv, b, S, D) tensor per layer: a copy of all the keys and values the step reads, padded to the
+widest table. FlexAttention reads them where they are. A BlockMask lists each row's blocks, its
+block table, as the key blocks the row may visit, and a mask_mod says which positions in them it
+sees: through `place`, the index of each pool block in each row's table, a pool position maps to
+its position in the row. Compiled (`torch.compile`, on CUDA) the kernel loads only the listed
+blocks; eager (the CPU tests) it evaluates the mask_mod over the whole pool, so the mask_mod alone
+must be exact. A prefill chunk keeps the gathered path: many queries per row read each block once.
+
+    python -m pytest tests/test_engine.py -k flex     # the same tokens as the gathered path
+"""
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from model import PagedKVCache
+
+QUERY_BLOCK = 128  # the BlockMask's query block: one block holds a decode step's single query
+
+
+class FlexPagedKVCache(PagedKVCache):
+    """The paged cache whose decode steps attend through FlexAttention over the pool in place.
+    One BlockMask per step and kind of layer (full, or sliding with its window), built at the
+    step's first layer of that kind and read by the others."""
+
+    def __init__(self, cfg, num_blocks, block_size, dtype, device):
+        super().__init__(cfg, num_blocks, block_size, dtype, device)
+        self.windows = [cfg.sliding_window if kind == "sliding" else None
+                        for kind in cfg.layer_types]
+        self.masks, self.masked_tables = {}, None  # window -> BlockMask, for these tables
+        self.flex = torch.compile(flex_attention) if torch.device(device).type == "cuda" \
+            else flex_attention
+
+    def attend(self, layer, q, k, v, mask, scale=None, softcap=None):
+        b, Hq, T, D = q.shape
+        if T > 1:  # a prefill chunk
+            return super().attend(layer, q, k, v, mask, scale, softcap)
+        self.store(layer, k, v)
+        if self.masked_tables is not self.tables:  # a new step (Transformer.paged set them)
+            self.masks, self.masked_tables = {}, self.tables
+        window = self.windows[layer]
+        if window not in self.masks:
+            self.masks[window] = self.block_mask(window)
+        H = k.shape[1]
+        keys, values = self.kv[layer].view(2, 1, H, -1, D)  # (1, Hkv, N * bs, D) each
+        capped = None if not softcap else lambda score, row, head, query, key: \
+            softcap * torch.tanh(score / softcap)  # Gemma 2, after the scale as attend_paged
+        return self.flex(q, keys, values, score_mod=capped, block_mask=self.masks[window],
+                         scale=scale, enable_gqa=H != Hq)  # (b, Hq, 1, D)
+
+    def block_mask(self, window=None):
+        """This step's BlockMask over the pool's N * bs positions, for b rows with tables (b, nb)
+        at positions (b, 1): row r visits the blocks of its table that hold positions up to its
+        own, and sees pool position i (block i // bs, slot i % bs) when that block is in its
+        table and the position there is at most its own (and fewer than `window` back)."""
+        tables, position = self.tables, self.positions[:, 0]  # (b, nb), (b,)
+        (b, nb), bs, N = tables.shape, self.block_size, self.kv[0].shape[2]
+        place = torch.full((b, N), -1, dtype=torch.int32, device=tables.device)
+        place.scatter_(1, tables, torch.arange(nb, dtype=torch.int32, device=tables.device)
+                       .expand(b, nb))  # place[r, table[r, j]] = j
+        place[:, 0] = -1  # block 0 pads the tables: no row's
+
+        def visible(row, head, query, key):
+            j = place[row, key // bs]
+            at = j * bs + key % bs  # the key's position in the row
+            seen = (j >= 0) & (at <= position[row])
+            return seen if window is None else seen & (position[row] - at < window)
+
+        listed = torch.zeros(b, 1, 1, N, dtype=torch.int32, device=tables.device)
+        listed[:, 0, 0, :nb] = tables  # the blocks row r visits, in order, then unused zeros
+        count = (position // bs + 1).to(torch.int32).view(b, 1, 1)  # blocks up to its position
+        return BlockMask.from_kv_blocks(count, listed, BLOCK_SIZE=(QUERY_BLOCK, bs),
+                                        mask_mod=visible, seq_lengths=(1, N * bs),
+                                        compute_q_blocks=False)
