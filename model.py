@@ -294,8 +294,8 @@ class PagedKVCache:
     def store(self, layer, k, v):
         """Writes the new keys and values k, v (b, Hkv, T, D) at their `slots`."""
         b, H, T, D = k.shape
-        new = torch.stack((k, v)).transpose(1, 2).reshape(2, H, b * T, D)  # (2, Hkv, b*T, D)
-        self.kv[layer].view(2, H, -1, D).index_copy_(2, self.slots, new)
+        new = torch.stack((k.transpose(0, 1), v.transpose(0, 1)))  # (2, Hkv, b, T, D), one copy
+        self.kv[layer].view(2, H, -1, D).index_copy_(2, self.slots, new.view(2, H, b * T, D))
 
     def write(self, layer, k, v):
         """Stores k, v; -> each row's keys and values gathered through its table, (Hkv, b, S, D)."""
