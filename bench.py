@@ -140,7 +140,8 @@ PATH_KEYS = {"ours eager": "ours", "ours compiled": "ours-compiled", "ours, CUDA
              "transformers eager": "hf",
              "transformers static+compiled": "hf-compiled", "ours": "ours",
              "paged": "ours", "paged, CUDA graphs": "ours-graphs",
-             "paged, FlexAttention": "ours-flex", "paged, FlexAttention, CUDA graphs": "ours-flex-graphs",
+             "paged, FlexAttention": "ours-flex",
+             "paged, FlexAttention, CUDA graphs": "ours-flex-graphs",
              "ours, blocks compiled": "ours-compiled", "transformers": "hf"}
 PATHS = list(dict.fromkeys(PATH_KEYS.values()))  # ours, ours-compiled, ours-graphs, hf, ...
 

@@ -10,10 +10,15 @@ block table, as the key blocks the row may visit, and a mask_mod says which posi
 sees: through `place`, the index of each pool block in each row's table, a pool position maps to
 its position in the row. Compiled (`torch.compile`, on CUDA) the kernel loads only the listed
 blocks; eager (the CPU tests) it evaluates the mask_mod over the whole pool, so the mask_mod alone
-must be exact. A prefill chunk keeps the gathered path: many queries per row read each block once.
+must be exact. `place` is (rows, pool blocks) int32 a step and kind of layer; the pool holds at
+most every row at its longest (engine.pool_blocks), so at 256 rows of 5,000 positions in blocks
+of 16 it is 82 MB (the pool: 80k blocks). A prefill chunk keeps the gathered path: many
+queries per row read each block once.
 
     python -m pytest tests/test_engine.py -k flex     # the same tokens as the gathered path
 """
+
+import functools
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -23,35 +28,51 @@ from model import PagedKVCache
 QUERY_BLOCK = 128  # the BlockMask's query block: one block holds a decode step's single query
 
 
+@functools.cache
+def compiled_flex_attention():
+    """flex_attention through torch.compile, once per process: its fused kernel (CUDA)."""
+    return torch.compile(flex_attention)
+
+
+def soft_cap(cap):
+    """Gemma 2's score_mod: cap * tanh(score / cap), after the scale, as attend_paged does."""
+    def capped(score, row, head, query, key):
+        return cap * torch.tanh(score / cap)
+    return capped
+
+
 class FlexPagedKVCache(PagedKVCache):
     """The paged cache whose decode steps attend through FlexAttention over the pool in place.
-    One BlockMask per step and kind of layer (full, or sliding with its window), built at the
-    step's first layer of that kind and read by the others."""
+    One BlockMask per forward and kind of layer (full, or sliding with its window), built at the
+    forward's first layer of that kind and read by the others."""
 
     def __init__(self, cfg, num_blocks, block_size, dtype, device):
         super().__init__(cfg, num_blocks, block_size, dtype, device)
         self.windows = [cfg.sliding_window if kind == "sliding" else None
                         for kind in cfg.layer_types]
-        self.masks, self.masked_tables = {}, None  # window -> BlockMask, for these tables
-        self.flex = torch.compile(flex_attention) if torch.device(device).type == "cuda" \
+        self.masks, self.masked_positions = {}, None  # window -> BlockMask, for these positions
+        self.flex = compiled_flex_attention() if torch.device(device).type == "cuda" \
             else flex_attention
 
     def attend(self, layer, q, k, v, mask, scale=None, softcap=None):
+        """A decode step's attention, q (b, Hq, 1, D), over the pool in place (`mask`, made for
+        the gathered path, is not read); a prefill chunk's through the gathered path."""
         b, Hq, T, D = q.shape
-        if T > 1:  # a prefill chunk
+        if T > 1:
             return super().attend(layer, q, k, v, mask, scale, softcap)
         self.store(layer, k, v)
-        if self.masked_tables is not self.tables:  # a new step (Transformer.paged set them)
-            self.masks, self.masked_tables = {}, self.tables
+        # Transformer.paged makes new positions for every forward, also where a CUDA graph
+        # captures one (the tables it may take as they are, from the graph's static inputs).
+        if self.masked_positions is not self.positions:
+            self.masks, self.masked_positions = {}, self.positions
         window = self.windows[layer]
         if window not in self.masks:
             self.masks[window] = self.block_mask(window)
         H = k.shape[1]
         keys, values = self.kv[layer].view(2, 1, H, -1, D)  # (1, Hkv, N * bs, D) each
-        capped = None if not softcap else lambda score, row, head, query, key: \
-            softcap * torch.tanh(score / softcap)  # Gemma 2, after the scale as attend_paged
-        return self.flex(q, keys, values, score_mod=capped, block_mask=self.masks[window],
-                         scale=scale, enable_gqa=H != Hq)  # (b, Hq, 1, D)
+        return self.flex(q, keys, values, score_mod=soft_cap(softcap) if softcap else None,
+                         block_mask=self.masks[window], scale=scale,
+                         enable_gqa=H != Hq)  # (b, Hq, 1, D)
 
     def block_mask(self, window=None):
         """This step's BlockMask over the pool's N * bs positions, for b rows with tables (b, nb)
@@ -71,9 +92,8 @@ class FlexPagedKVCache(PagedKVCache):
             seen = (j >= 0) & (at <= position[row])
             return seen if window is None else seen & (position[row] - at < window)
 
-        listed = torch.zeros(b, 1, 1, N, dtype=torch.int32, device=tables.device)
-        listed[:, 0, 0, :nb] = tables  # the blocks row r visits, in order, then unused zeros
-        count = (position // bs + 1).to(torch.int32).view(b, 1, 1)  # blocks up to its position
+        listed = tables.to(torch.int32).view(b, 1, 1, nb)  # the blocks row r visits, in order,
+        count = (position // bs + 1).to(torch.int32).view(b, 1, 1)  # the first `count` of them
         return BlockMask.from_kv_blocks(count, listed, BLOCK_SIZE=(QUERY_BLOCK, bs),
                                         mask_mod=visible, seq_lengths=(1, N * bs),
                                         compute_q_blocks=False)

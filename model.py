@@ -276,8 +276,8 @@ class PagedKVCache:
     `Transformer.paged` sets `slots`, `tables` and `positions` for one forward."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device):
-        # Keys and values of a layer in one tensor, heads first: one gather reads both, and comes
-        # out as attend_paged multiplies it, batched over (heads, rows), with no copy.
+        # A layer's keys and values in one tensor, heads first: one gather reads both, as they go
+        # into attend_paged's products, batched over (heads, rows), with no copy.
         shape = (2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # (2, Hkv, N, bs, D)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.block_size = block_size
@@ -305,11 +305,12 @@ class PagedKVCache:
         return rows[0], rows[1]
 
     def attend(self, layer, q, k, v, mask, scale=None, softcap=None):
-        """Stores k, v (b, Hkv, T, D); q (b, Hq, T, D) attends to its row's keys, mask (b, 1, T, S)."""
+        """Stores k, v (b, Hkv, T, D); q (b, Hq, T, D) attends to its row's, mask (b, 1, T, S)."""
         k, v = self.write(layer, k, v)  # (Hkv, b, S, D), heads first: position s at index s
         if softcap or q.shape[2] == 1:  # a decode step (or Gemma 2's cap)
             return attend_paged(q, k, v, mask, scale, softcap)
-        return attend(q, k.transpose(0, 1), v.transpose(0, 1), mask, q.is_cuda, scale)  # prefill
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # a prefill chunk: (b, Hkv, S, D)
+        return attend(q, k, v, mask, expand_kv=q.is_cuda, scale=scale)
 
     def copy_block(self, source: int, target: int):
         """Copies one block's keys and values in every layer (a shared block a row writes into)."""

@@ -225,9 +225,9 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     return (prompts, num_samples, seeds) lists to queue on, numbered on from those so far
     (refills.py), sharing the pool and row cap sized for the call's own prompts.
     The engine's knobs (engine.py): kv_budget, GiB of KV blocks (None: every row at its longest;
-    on CUDA at most 90% of the free memory); max_rows running at once (None: all); block_size;
-    prefill_tokens, the most one prefill forward computes; stats, a dict of the engine's counts;
-    flex_attention, decode attention over the pool in place (flex_decode.py).
+    on CUDA at most 90% of free memory, `pool_blocks`); max_rows running at once (None: all);
+    block_size, positions a block holds; prefill_tokens, the most a prefill forward computes;
+    stats, a dict of the engine's counts; flex_attention: decode reads the pool (flex_decode.py).
     -> list[Completion], prompt-major. The same seed gives the same samples, whatever the budget.
     """
     counts, seeds = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p,

@@ -11,8 +11,9 @@
 #   engine    bench.py engine, bf16: RL's long tail (ROWS rows, up to ENGINE_TOKENS new tokens, most
 #             rows short, 5% at the limit), eager and under CUDA graphs, against transformers and
 #             the memory-bandwidth bound
-#   flex      decode attention through FlexAttention (flex_decode.py): its test against the
-#             gathered decode, then the long tail under CUDA graphs, gathered against FlexAttention
+#   flex      decode attention through FlexAttention (flex_decode.py): its tests against the
+#             gathered decode, then the long tail: gathered under CUDA graphs against FlexAttention
+#             under CUDA graphs and eager
 #   update    bench.py update, bf16 autocast, eager: forward + backward + AdamW against transformers
 #   train     train.py --bench under torchrun --nproc_per_node 1, 2 steps of TRAIN_PROMPTS x
 #             TRAIN_SAMPLES x TRAIN_TOKENS (64 x 8 x 1,024; a random model's replies run to the
@@ -137,23 +138,27 @@ sampler_at() {
             --new-tokens "$new_tokens" --repeats "$repeats" || return
     done
 }
-export -f sampler_at
+# RL's long tail at each row count, the same split into prompts
+engine_at() {
+    local paths=$1 r prompts
+    for r in $rows; do
+        prompts=$((r < 16 ? r : 16))
+        $python bench.py engine --device "$device" --model "$model_dir" --prompts $prompts \
+            --samples $((r / prompts)) --new-tokens "${ENGINE_TOKENS:-512}" --repeats 1 \
+            --paths "$paths" || return
+    done
+}
+export -f sampler_at engine_at
 export python device model_dir rows new_tokens repeats
 tests="PASSED|FAILED|ERROR|passed|failed|skipped"  # pytest -v: a line per test as it ends
 part tests 90 "$tests" $python -m pytest -p no:cacheprovider -v tests/test_gpu.py \
     "tests/test_rollout.py::test_no_host_sync_between_checks_on_cuda[False]" -k "not nccl and not compiled"
 part sampler 200 "$figures" bash -c 'sampler_at ours,ours-graphs,hf'
 engine="$figures|rows the|lengths|failed"
-part engine 200 "$engine" bash -c 'for r in $rows; do prompts=$((r < 16 ? r : 16))
-    $python bench.py engine --device "$device" --model "$model_dir" --prompts $prompts \
-        --samples $((r / prompts)) --new-tokens "${ENGINE_TOKENS:-512}" --repeats 1 \
-        --paths ours,ours-graphs,hf || exit; done'
-part flex 240 "$tests|$engine" bash -c '$python -m pytest -p no:cacheprovider -v tests/test_gpu.py -k flex || exit
-    [ "$device" = cuda ] || exit 0  # (a CPU times the engine in the engine part)
-    for r in $rows; do prompts=$((r < 16 ? r : 16))
-        $python bench.py engine --device "$device" --model "$model_dir" --prompts $prompts \
-            --samples $((r / prompts)) --new-tokens "${ENGINE_TOKENS:-512}" --repeats 1 \
-            --paths ours-graphs,ours-flex-graphs,ours-flex || exit; done'
+part engine 200 "$engine" bash -c 'engine_at ours,ours-graphs,hf'
+part flex 240 "$tests|$engine" bash -c '$python -m pytest -p no:cacheprovider -v tests/test_gpu.py \
+    -k flex || exit; [ "$device" = cuda ] || exit 0  # (a CPU times the engine in the engine part)
+    engine_at ours-graphs,ours-flex-graphs,ours-flex'
 part update 60 "$figures" $python bench.py update --device "$device" --model "$model_dir" \
     --dtypes bfloat16 --paths ours,hf --repeats "$repeats"
 # 2 training steps at a real size; --compile off: the eager update, no compile time in the budget

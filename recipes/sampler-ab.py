@@ -4,13 +4,15 @@ and whether the two draw the same tokens.
 
     git worktree add /tmp/before <commit>
     python recipes/sampler-ab.py /tmp/before [--prompts 8 --samples 8 --new-tokens 64 --stops]
-        [--dtype float32]
+        [--dtype float32] [--alone]
 
 Each checkout's model.py, moe.py, engine.py, rollout.py, checkpoints.py and what they import
 (OWN) are imported on their own (speed.py once: its op registers once per process; its
 pack_linears is given each checkout's classes), with freed memory kept as train.py keeps it; the
 runs alternate, each first in every other round, after a warm-up call of each; the ratio of the
-two is printed round by round.
+two is printed round by round. --alone: then each checkout draws each prompt of the last round
+alone, and the rows that equal its own all-at-once draws, and the other checkout's, are counted
+(how far a sampler's samples depend on the rows beside them).
 """
 
 import argparse
@@ -79,6 +81,7 @@ def main():
                         "checkout first in half of them)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="the sampler's weights (default: train.py's choice on this CPU)")
+    parser.add_argument("--alone", action="store_true", help="also draw each prompt alone")
     args = parser.parse_args()
     if not os.path.isfile(os.path.join(args.before, "rollout.py")):
         parser.error(f"{args.before}: no rollout.py there; give a checkout of this repository")
@@ -122,6 +125,25 @@ def main():
         differ = [row for row, (x, y) in enumerate(zip(a, b)) if x != y]
         print(f"  run {repeat + 1}: {len(a) - len(differ)} of {len(a)} rows the same tokens"
               + (f" (rows {differ} differ)" if 0 < len(differ) <= 8 else ""))
+    if args.alone:
+        alone_against_together(paths, prompts, {name: runs[-1] for name, runs in tokens.items()},
+                               args)
+
+
+def alone_against_together(paths, prompts, together, args):
+    """Each checkout draws each prompt alone with the seed generate gives it in the last round
+    (seed * 1_000_003 + its index), and counts the rows equal to `together`, its own and the
+    other checkout's draws of all prompts at once."""
+    seed, alone = args.repeats, {}
+    for name, (generate, model, stops, _) in paths.items():
+        alone[name] = [c.tokens for i, prompt in enumerate(prompts) for c in generate(
+            model, [prompt], num_samples=args.samples, temperature=0.8, seed=[seed * 1_000_003 + i],
+            max_new_tokens=args.new_tokens, stop_token_ids=stops, compile=False)]
+    for name, other in (("before", "this"), ("this", "before")):
+        own = sum(a == b for a, b in zip(alone[name], together[name]))
+        across = sum(a == b for a, b in zip(alone[name], together[other]))
+        print(f"  {name} alone: {own} of {len(alone[name])} rows as its own all at once, "
+              f"{across} as {other}'s all at once")
 
 
 if __name__ == "__main__":

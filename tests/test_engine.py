@@ -169,24 +169,46 @@ def test_flex_attention_reads_the_pool_as_the_gather_does(tiny, family, monkeypa
 
 
 def test_flex_block_mask_by_hand():
-    """Two rows, blocks of 4: row 0 holds blocks 3, 1 and is at position 5 (it sees pool
-    positions 12-15 and 4, 5); row 1 holds block 2 (stale keys past its position 1) at position
-    1 and sees 8, 9; with a window of 2, row 0 sees positions 4 and 5 only."""
+    """Blocks of 4 in a pool of 5, tables 8 wide (a bucket wider than the pool): row 0 holds
+    blocks 3, 1 and is at position 5 (it sees pool positions 12-15 and 4, 5); row 1 holds block 2
+    (stale keys past its position 1) and sees 8, 9; row 2 pads a bucket (block 0 at position 0)
+    and sees nothing. With a window of 2, row 0 sees positions 4 and 5 only."""
     from flex_decode import FlexPagedKVCache
     from model import ModelConfig
     cfg = ModelConfig("llama", 32, 8, 16, 1, 2, 1, 4, 1e-5, 1e4, None, 64, False, False, False,
                       sliding_window=2, layer_types=("sliding",))
     cache = FlexPagedKVCache(cfg, 5, 4, torch.float32, "cpu")
-    cache.tables, cache.positions = torch.tensor([[3, 1], [2, 0]]), torch.tensor([[5], [1]])
+    cache.tables = torch.tensor([[3, 1] + [0] * 6, [2] + [0] * 7, [0] * 8])
+    cache.positions = torch.tensor([[5], [1], [0]])
     seen = {}
     for window in (None, 2):
         mask = cache.block_mask(window)
-        dense = mask.mask_mod(torch.arange(2)[:, None], 0, 0, torch.arange(20)[None])  # (2, 20)
+        dense = mask.mask_mod(torch.arange(3)[:, None], 0, 0, torch.arange(20)[None])  # (3, 20)
         seen[window] = [torch.nonzero(r).view(-1).tolist() for r in dense]
-        assert mask.kv_num_blocks.view(-1).tolist() == [2, 1]
-        assert mask.kv_indices[:, 0, 0, :2].tolist() == [[3, 1], [2, 0]]
-    assert seen[None] == [[4, 5, 12, 13, 14, 15], [8, 9]]
-    assert seen[2] == [[4, 5], [8, 9]]
+        assert mask.kv_num_blocks.view(-1).tolist() == [2, 1, 1]
+        assert mask.kv_indices[:, 0, 0, :2].tolist() == [[3, 1], [2, 0], [0, 0]]
+    assert seen[None] == [[4, 5, 12, 13, 14, 15], [8, 9], []]
+    assert seen[2] == [[4, 5], [8, 9], []]
+
+
+@torch.no_grad()
+def test_flex_masks_follow_each_forward(tiny):
+    """Decode forwards through one tables tensor at new positions, as a CUDA graph's replays feed
+    its static inputs: each forward attends as the gathered path does (its own BlockMask)."""
+    from flex_decode import FlexPagedKVCache
+    from model import PagedKVCache
+    model = tiny("mistral")
+    caches = [kind(model.config, 6, 4, torch.float32, "cpu") for kind in (FlexPagedKVCache,
+                                                                          PagedKVCache)]
+    ids = random_ids(1, 20, model.config.vocab_size, seed=2)  # past the window of 16
+    tables, one = torch.tensor([[1, 2, 3, 4, 5]]), torch.ones(1, dtype=torch.long)
+    for cache in caches:  # the first 17 positions; then decode steps at 17, 18, 19
+        model.paged(ids[:, :17], torch.tensor([0]), torch.tensor([17]), tables, cache,
+                    with_logits=False)
+    for t in (17, 18, 19):
+        flex, gathered = (model.paged(ids[:, t:t + 1], torch.tensor([t]), one, tables, cache)
+                          for cache in caches)
+        assert torch.allclose(flex, gathered, atol=1e-5), t
 
 
 def test_a_prompt_is_prefilled_once_for_its_samples(tiny):
