@@ -415,11 +415,9 @@ class Transformer(nn.Module):
               with_logits=True):
         """The sampler's forward over a paged KV cache: each row's `count` new tokens (tokens
         (b, T), right-padded) at positions start, start + 1, ... after the `start` it has cached
-        (b,), its blocks `tables` (b, nb). A prefill chunk (T > 1) or a decode step (T = 1).
-        -> logits (b, V) float32 of each row's last new token (None without with_logits).
-
-        Each row attends to its own positions only, however long the others are.
-        """
+        (b,), its blocks `tables` (b, nb). A prefill chunk (T > 1) or a decode step (T = 1); each
+        row attends to its own positions only, however long the others are.
+        -> logits (b, V) float32 of each row's last new token (None without with_logits)."""
         b, T = tokens.shape
         bs = cache.block_size
         positions = start[:, None] + torch.arange(T, device=tokens.device)  # (b, T)
