@@ -92,8 +92,11 @@ class FlexPagedKVCache(PagedKVCache):
             seen = (j >= 0) & (at <= position[row])
             return seen if window is None else seen & (position[row] - at < window)
 
-        listed = tables.to(torch.int32).view(b, 1, 1, nb)  # the blocks row r visits, in order,
-        count = (position // bs + 1).to(torch.int32).view(b, 1, 1)  # the first `count` of them
+        # The blocks row r visits, in order: the first `count` of its table. As wide as the pool
+        # (a compiled kernel's mask must span every key; a bucket's tables may be wider).
+        listed = torch.zeros(b, 1, 1, N, dtype=torch.int32, device=tables.device)
+        listed[:, 0, 0, :min(nb, N)] = tables[:, :N]
+        count = (position // bs + 1).to(torch.int32).view(b, 1, 1)
         return BlockMask.from_kv_blocks(count, listed, BLOCK_SIZE=(QUERY_BLOCK, bs),
                                         mask_mod=visible, seq_lengths=(1, N * bs),
                                         compute_q_blocks=False)

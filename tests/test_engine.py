@@ -168,6 +168,18 @@ def test_flex_attention_reads_the_pool_as_the_gather_does(tiny, family, monkeypa
         calls.clear()
 
 
+@pytest.mark.slow
+def test_flex_attention_in_a_compiled_step(tiny):
+    """compile=True with flex_attention=True: the whole decode step through torch.compile, where
+    inductor lowers FlexAttention to its fused kernel (a CPU template here, as Triton on CUDA),
+    which takes a BlockMask spanning every key of the pool: the eager gathered path's samples."""
+    model = tiny("llama3")
+    prompts = prompts_of(model, (4, 9, 13))
+    kw = dict(num_samples=3, max_new_tokens=20, temperature=1.0, seed=3)
+    assert_same(generate(model, prompts, compile=True, flex_attention=True, **kw),
+                generate(model, prompts, compile=False, **kw))
+
+
 def test_flex_block_mask_by_hand():
     """Blocks of 4 in a pool of 5, tables 8 wide (a bucket wider than the pool): row 0 holds
     blocks 3, 1 and is at position 5 (it sees pool positions 12-15 and 4, 5); row 1 holds block 2
