@@ -51,8 +51,7 @@ class FlexPagedKVCache(PagedKVCache):
         self.windows = [cfg.sliding_window if kind == "sliding" else None
                         for kind in cfg.layer_types]
         self.masks, self.masked_positions = {}, None  # window -> BlockMask, for these positions
-        self.flex = compiled_flex_attention() if torch.device(device).type == "cuda" \
-            else flex_attention
+        self.on_cuda = torch.device(device).type == "cuda"
 
     def attend(self, layer, q, k, v, mask, scale=None, softcap=None):
         """A decode step's attention, q (b, Hq, 1, D), over the pool in place (`mask`, made for
@@ -70,9 +69,11 @@ class FlexPagedKVCache(PagedKVCache):
             self.masks[window] = self.block_mask(window)
         H = k.shape[1]
         keys, values = self.kv[layer].view(2, 1, H, -1, D)  # (1, Hkv, N * bs, D) each
-        return self.flex(q, keys, values, score_mod=soft_cap(softcap) if softcap else None,
-                         block_mask=self.masks[window], scale=scale,
-                         enable_gqa=H != Hq)  # (b, Hq, 1, D)
+        # Compiled on its own on CUDA; inside a compiled step (compile=True) as the step is.
+        compiled = self.on_cuda and not torch.compiler.is_compiling()
+        flex = compiled_flex_attention() if compiled else flex_attention
+        return flex(q, keys, values, score_mod=soft_cap(softcap) if softcap else None,
+                    block_mask=self.masks[window], scale=scale, enable_gqa=H != Hq)  # (b, Hq, 1, D)
 
     def block_mask(self, window=None):
         """This step's BlockMask over the pool's N * bs positions, for b rows with tables (b, nb)

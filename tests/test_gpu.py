@@ -139,6 +139,17 @@ def test_cuda_flex_attention_equals_the_gathered_decode(checkpoints, family):
         assert sum(a == b for a, b in zip(gathered, flex)) >= len(gathered) - 1, graphs
 
 
+def test_cuda_compiled_step_with_flex_attention(checkpoints):
+    """compile=True with flex_attention=True on CUDA: FlexAttention lowered to Triton inside the
+    compiled decode step, against the eager gathered decode in float32."""
+    ours = load_model(checkpoints("qwen2"), dtype=torch.float32, device=CUDA)[0]
+    prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (4, 9, 13)]
+    kw = dict(num_samples=3, max_new_tokens=30, temperature=1.0, seed=5)
+    want = [c.tokens for c in generate(ours, prompts, compile=False, **kw)]
+    got = [c.tokens for c in generate(ours, prompts, compile=True, flex_attention=True, **kw)]
+    assert sum(a == b for a, b in zip(want, got)) >= len(want) - 1
+
+
 def test_cuda_sampler_seeded_samples_equal_the_cpus(checkpoints):
     """Same seed, same float32 weights: the GPU draws the CPU's samples (the uniforms are computed
     in integer arithmetic, and float32 logits differ by rounding only)."""
