@@ -137,13 +137,13 @@ def test_kept_rows_equal_a_gather_at_every_step(tiny, family, monkeypatch):
     assert len(caches) == 4  # under a budget the pool alone
 
 
-@pytest.mark.parametrize("family", [f if f == "llama3" else
-                                    pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
+@pytest.mark.parametrize("family", ["llama3"] + [pytest.param(f, marks=pytest.mark.slow) for f in
+                                                  ("mistral", "gemma2", "gemma3", "qwen3_moe")])
 def test_flex_attention_reads_the_pool_as_the_gather_does(tiny, family, monkeypatch):
     """flex_decode.FlexPagedKVCache (decode attention through FlexAttention over the pool in
     place; eager here, so its mask_mod alone decides what each row sees): the samples of the
-    gathered path, for every family (grouped heads, sliding windows past their width, Gemma 2's
-    soft cap, MoE routing), with rows that stop, a budget that forces waits and preemptions
+    gathered path, for each kind of attention (grouped heads, sliding windows past their width,
+    Gemma 3's local layers, Gemma 2's soft cap, MoE routing), with rows that stop, a budget that forces waits and preemptions
     (stale keys left in blocks that change hands), one-position blocks, and the steps padded to
     buckets of rows and blocks as CUDA graphs replay them (padding rows see nothing)."""
     import flex_decode
