@@ -50,7 +50,7 @@ class FlexPagedKVCache(PagedKVCache):
         super().__init__(cfg, num_blocks, block_size, dtype, device)
         self.windows = [cfg.sliding_window if kind == "sliding" else None
                         for kind in cfg.layer_types]
-        self.masks, self.masked_positions = {}, None  # window -> BlockMask, for these positions
+        self.masks = {}  # window -> this forward's BlockMask
         self.on_cuda = torch.device(device).type == "cuda"
 
     def attend(self, layer, q, k, v, mask, scale=None, softcap=None):
@@ -60,10 +60,8 @@ class FlexPagedKVCache(PagedKVCache):
         if T > 1:
             return super().attend(layer, q, k, v, mask, scale, softcap)
         self.store(layer, k, v)
-        # Transformer.paged makes new positions for every forward, also where a CUDA graph
-        # captures one (the tables it may take as they are, from the graph's static inputs).
-        if self.masked_positions is not self.positions:
-            self.masks, self.masked_positions = {}, self.positions
+        if layer == 0:  # a new forward: new positions (and tables, or a CUDA graph's same tensor)
+            self.masks = {}
         window = self.windows[layer]
         if window not in self.masks:
             self.masks[window] = self.block_mask(window)

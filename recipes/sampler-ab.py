@@ -98,11 +98,9 @@ def main():
     for repeat in range(args.repeats + 1):  # the first round warms up
         # Each goes first in every other round: the first of a pair ran ~4% faster here.
         for name in sorted(paths, reverse=repeat % 2 == 1):
-            generate, model, stops, _ = paths[name]
             start = time.perf_counter()
-            out = generate(model, prompts, num_samples=args.samples, temperature=0.8, seed=repeat,
-                           max_new_tokens=args.new_tokens if repeat else 4, stop_token_ids=stops,
-                           compile=False)
+            out = draw(paths[name], prompts, args.samples, repeat,
+                       args.new_tokens if repeat else 4)
             if repeat:
                 times[name].append(time.perf_counter() - start)
                 tokens[name].append([c.tokens for c in out])
@@ -130,15 +128,21 @@ def main():
                                args)
 
 
+def draw(checkout, prompts, samples, seed, new_tokens):
+    """A checkout's generate (from load_checkout) on `prompts`, as every run here draws."""
+    generate, model, stops, _ = checkout
+    return generate(model, prompts, num_samples=samples, temperature=0.8, seed=seed,
+                    max_new_tokens=new_tokens, stop_token_ids=stops, compile=False)
+
+
 def alone_against_together(paths, prompts, together, args):
     """Each checkout draws each prompt alone with the seed generate gives it in the last round
     (seed * 1_000_003 + its index), and counts the rows equal to `together`, its own and the
     other checkout's draws of all prompts at once."""
     seed, alone = args.repeats, {}
-    for name, (generate, model, stops, _) in paths.items():
-        alone[name] = [c.tokens for i, prompt in enumerate(prompts) for c in generate(
-            model, [prompt], num_samples=args.samples, temperature=0.8, seed=[seed * 1_000_003 + i],
-            max_new_tokens=args.new_tokens, stop_token_ids=stops, compile=False)]
+    for name, checkout in paths.items():
+        alone[name] = [c.tokens for i, prompt in enumerate(prompts) for c in draw(
+            checkout, [prompt], args.samples, [seed * 1_000_003 + i], args.new_tokens)]
     for name, other in (("before", "this"), ("this", "before")):
         own = sum(a == b for a, b in zip(alone[name], together[name]))
         across = sum(a == b for a, b in zip(alone[name], together[other]))
