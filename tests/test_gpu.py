@@ -1,8 +1,8 @@
 """The CUDA path, for the day a GPU is lent (every test skips without CUDA): logit parity with
 transformers on the GPU for every family in float32 and bfloat16, the KV-cache decode, the sampler
-compiled against eager, FlexAttention's decode against the gathered one, and train.py under
-torchrun with NCCL (DDP, one rank) with an exact resume. `recipes/gpu-check.sh` runs these in its
-tests, flex, nccl and compiled parts."""
+compiled against eager, a LoRA sampler under CUDA graphs, FlexAttention's decode against the
+gathered one, and train.py under torchrun with NCCL (DDP, one rank) with an exact resume.
+`recipes/gpu-check.sh` runs these in its tests, flex, nccl and compiled parts."""
 
 import pytest
 import torch
@@ -121,6 +121,26 @@ def test_cuda_graphs_sampler_equals_eager(checkpoints, dtype, monkeypatch):
             assert sum(a[:1] == b[:1] for a, b in zip(eager, graphed)) >= len(eager) - 1
     graphed = [s for s in steps if isinstance(s, BucketedStep)]
     assert graphed and all(s.capture for s in graphed) and len(graphed[-1].graphs) > 1
+
+
+def test_cuda_graphs_with_a_lora_sampler(checkpoints):
+    """With --lora-rank the sampler is the policy itself, adapters and all (launch.whole_policy).
+    Under CUDA graphs it draws eager's samples in float32, and after the adapters change in place
+    (as AdamW's step changes them) the next call's graphs read the new weights, not the old."""
+    from lora import add_lora
+    from test_model import randomise_lora_
+    ours = add_lora(load_model(checkpoints("qwen2"), dtype=torch.float32, device=CUDA)[0], rank=4)
+    prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (4, 9, 13)]
+    kw = dict(num_samples=4, max_new_tokens=40, temperature=1.0, stop_token_ids=[3, 7, 11],
+              seed=7, compile=False)
+    drawn = []
+    for adapters in (0, 1):  # two updates of the same adapters, in place
+        randomise_lora_(ours, seed=adapters, scale=0.5)
+        eager, graphed = ([c.tokens for c in generate(ours, prompts, cuda_graphs=graphs, **kw)]
+                          for graphs in (False, True))
+        assert eager == graphed, adapters
+        drawn.append(eager)
+    assert drawn[0] != drawn[1]  # the adapters changed the samples: the graphs had to follow
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2"])
