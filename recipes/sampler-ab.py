@@ -29,12 +29,13 @@ OWN = ("model", "moe", "engine", "rollout", "chunked_logprobs", "cuda_graphs", "
        "lora", "quant")  # imported once per checkout
 
 
-def import_checkout(path):
-    """-> {name: module} of the checkout at path, without disturbing sys.modules."""
+def import_checkout(path, names=("rollout", "checkpoints", "model")):
+    """-> {name: module} of the checkout at path, for `names` of OWN, without disturbing
+    sys.modules."""
     saved = {name: sys.modules.pop(name) for name in OWN if name in sys.modules}
     sys.path.insert(0, path)
     try:
-        return {name: importlib.import_module(name) for name in ("rollout", "checkpoints", "model")}
+        return {name: importlib.import_module(name) for name in names}
     finally:
         sys.path.remove(path)
         for name in OWN:

@@ -365,6 +365,16 @@ def test_prefill_in_chunks_keeps_every_sample(tiny):
     assert stats["prefill_tokens"] == 59
 
 
+def test_pad_rows_by_hand():
+    """engine.pad_rows: each list in its own row, in order, right-padded with 0 (an empty list is
+    a row of padding); the block tables and prefill chunks of every step go through it."""
+    from engine import pad_rows
+    got = pad_rows([[3, 1, 4], [], [15], [9, 2]])
+    assert got.dtype == torch.long
+    assert got.tolist() == [[3, 1, 4], [0, 0, 0], [15, 0, 0], [9, 2, 0]]
+    assert pad_rows([[2**40]]).tolist() == [[2**40]]  # int64, not int32
+
+
 def test_the_long_tail_workload_of_bench_engine():
     """bench.py engine: stop ids a fraction p of the vocabulary with (1 - p)^N = 5%, and four
     waves of consecutive prompts, the budget what the largest needs at every row's longest."""

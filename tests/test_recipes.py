@@ -133,6 +133,26 @@ def test_same_run_refuses_bad_input_in_one_line(tmp_path):
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_engine_host_times_both_checkouts_and_refuses_bad_input(tmp_path):
+    """recipes/engine-host.py against this checkout at a tiny size: each checkout's host
+    milliseconds a decode step, round by round; a checkout without engine.py, or rows that are
+    not a multiple of 16, is one clear line before any work."""
+    script = [sys.executable, str(ROOT / "recipes" / "engine-host.py")]
+    proc = subprocess.run(script + [str(ROOT), "--rows", "16", "--prompt", "5", "--new-tokens",
+                                    "20", "--repeats", "2"], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("16 rows, prompts of 5, 20 new tokens, ")
+    assert lines[1].split()[0] == "before" and lines[2].split()[0] == "this"
+    assert all(len(line.split("[")[1].split(",")) == 2 for line in lines[1:3])  # 2 rounds each
+    assert "before / this, round by round: median " in lines[3]
+    for argv, message in (([str(tmp_path)], "no engine.py there"),
+                          ([str(ROOT), "--rows", "20"], "--rows: a multiple of 16, got 20")):
+        proc = subprocess.run(script + argv, capture_output=True, text=True)
+        assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_a_run_stopped_before_its_first_step_is_no_zero_in_the_means():
     """runs.py's table skips a run with no step in every column, peak memory too: the mean is the
     other runs', not pulled towards 0 MiB."""
