@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from cuda_graphs import bucket
 from flex_decode import FlexPagedKVCache
@@ -154,6 +155,11 @@ class Engine:
         self.waiting, self.prefilling, self.decoding = deque(), [], []  # Prefill, Prefill, Row
         self.rows, self.groups, self.ended = [], [], []  # every Row; each prompt's; ended, unread
         self.keys = torch.zeros(0, dtype=torch.long, device=model.device)  # (B,) random streams
+        # Each row's table again, on the host, written where a decoding row's table changes: a
+        # step's tables are one gather, not a conversion of every row's ints, which grew with the
+        # context (MEASUREMENTS.md, "The engine"). (B, the most blocks a row may need), stale past
+        # a row's own length.
+        self.host_tables = torch.zeros(0, 0, dtype=torch.long)
         self.stats = dict(waits=0, preemptions=0, prefill_tokens=0, decode_steps=0)
 
     def add(self, prompts, counts, keys, max_new_tokens):
@@ -167,6 +173,9 @@ class Engine:
             row.routes = torch.full((len(row.prompt) + max_new_tokens, cfg.num_layers,
                                      cfg.experts_per_token), -1, dtype=torch.int16)
         groups = prompt_groups(rows, counts)
+        widest = max(-(-(len(p) + max_new_tokens) // self.block_size) for p in prompts)
+        wider = max(0, widest - self.host_tables.shape[1])
+        self.host_tables = F.pad(self.host_tables, (0, wider, 0, len(rows)))  # rows and blocks
         self.rows += rows
         self.groups += groups
         self.keys = torch.cat([self.keys, keys.to(self.model.device)])
@@ -252,17 +261,19 @@ class Engine:
         for row in job.rows:
             row.table, row.cached = list(job.table), len(job.context)
             self.decoding.append(row)
+        self.host_tables[[row.index for row in job.rows], :len(job.table)] = torch.tensor(job.table)
 
     def decode(self, step_fn, sampling, stop_ids, max_new_tokens):
         """Every running row feeds its last token and draws the next (one host read)."""
         self.make_room()
         rows = self.decoding
-        index = self.tensor([row.index for row in rows])  # (b,)
+        on_host = torch.tensor([row.index for row in rows])  # (b,)
+        index = on_host.to(self.model.device)
         fed = self.tensor([row.tokens[-1] for row in rows])  # (b,)
         start = self.tensor([row.cached for row in rows])  # (b,) the fed token's position
         draws = self.tensor([len(row.tokens) for row in rows])  # (b,) each row's step
         routing = Routing() if self.record else None
-        drawn, logp = step_fn(self.model, fed, start, self.tables([r.table for r in rows]),
+        drawn, logp = step_fn(self.model, fed, start, self.decoding_tables(rows, on_host),
                               self.cache, self.keys[index], draws, *sampling.values(), routing)
         routes = routing.stacked(self.model.config).short().cpu() if routing else None  # (b, 1, L, k)
         for i, row in enumerate(rows):
@@ -307,6 +318,7 @@ class Engine:
                 row.table[b] = block
             else:
                 row.table.append(block)
+            self.host_tables[row.index, b] = block
             i += 1
 
     def preempt(self, row):
@@ -325,11 +337,18 @@ class Engine:
         """Block tables -> (b, nb) long on the device, padded with the scratch block 0."""
         return pad_rows(tables).to(self.model.device)
 
+    def decoding_tables(self, rows, index):
+        """The decoding rows' tables as `tables` gives them, gathered from host_tables by the
+        rows' indices (b,) on the host."""
+        lengths = [len(row.table) for row in rows]
+        tables = self.host_tables[index, :max(lengths)]  # (b, nb), stale past each row's length
+        own = torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]  # (b, nb)
+        return torch.where(own, tables, 0).to(self.model.device)
+
 
 def pad_rows(rows):
-    """Lists of ints -> (len(rows), longest) long, right-padded with 0. One tensor of all the
-    ints, placed by a mask: a tensor a row cost 3x the host time at 256 rows (each decode step
-    builds its tables so; MEASUREMENTS.md, "The engine")."""
+    """Lists of ints -> (len(rows), longest) long, right-padded with 0: one tensor of all the
+    ints, placed by a mask (a tensor a row took 3x the host's time at 256 rows)."""
     lengths = [len(r) for r in rows]
     out = torch.zeros(len(rows), max(lengths), dtype=torch.long)
     out[torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]] = torch.tensor(

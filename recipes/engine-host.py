@@ -7,8 +7,8 @@ step: a step's tokens are read back once, and the next step is built only then.
     python recipes/engine-host.py /tmp/before [--rows 256 --prompt 300 --new-tokens 512]
 
 The model is Qwen2.5-0.5B's shape on the meta device (no memory; the pool holds every row at its
-longest) and its step is stubbed: it returns token 7 and log-prob 0 for every row, on the CPU, at once.
-Every row runs to --new-tokens (tables grow to their longest); the mean host milliseconds of a
+longest) and its step is stubbed: token 7 and log-prob 0 for every row, on the CPU, at once. Every
+row runs to --new-tokens (tables grow to their longest). Printed: the mean host milliseconds of a
 decode step over a call, the checkouts alternating, each first in every other round.
 """
 
@@ -86,7 +86,8 @@ def main():
     print(f"{args.rows} rows, prompts of {args.prompt}, {args.new_tokens} new tokens, "
           f"{cpu_name()}, {torch.get_num_threads()} threads: host ms a decode step")
     for name, values in ms.items():
-        print(f"  {name:6s} median {statistics.median(values):.3f} ms  {[round(v, 3) for v in values]}")
+        print(f"  {name:6s} median {statistics.median(values):.3f} ms  "
+              f"{[round(v, 3) for v in values]}")
     ratios = sorted(b / t for b, t in zip(ms["before"], ms["this"]))
     print(f"  before / this, round by round: median {statistics.median(ratios):.2f}x, "
           f"all {ratios[0]:.2f}-{ratios[-1]:.2f}x")

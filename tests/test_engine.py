@@ -307,6 +307,36 @@ def test_prompts_added_as_groups_end_keep_every_sample(tiny, limits):
         assert stats["preemptions"] > 0 and stats["waits"] > 0, stats
 
 
+@pytest.mark.parametrize("block_size, blocks", [(3, 24), (16, 5)])
+def test_host_tables_follow_every_change(tiny, monkeypatch, block_size, blocks):
+    """Engine.host_tables, written where a decoding row's table changes, gives every decode step
+    the tables of the rows' own lists: through prefills shared by a prompt's rows, copies on
+    write of a shared partial block, preemptions and recomputation, and later, longer prompts
+    added as groups end (the host tables widen)."""
+    import engine
+    from model import PagedKVCache
+    model = tiny("llama3")
+    steps, copies = [], []
+    real_tables, real_copy = engine.Engine.decoding_tables, PagedKVCache.copy_block
+
+    def checked(self, rows, index):
+        got = real_tables(self, rows, index)
+        assert torch.equal(got, engine.pad_rows([row.table for row in rows]))
+        steps.append(len(rows))
+        return got
+    monkeypatch.setattr(engine.Engine, "decoding_tables", checked)
+    monkeypatch.setattr(PagedKVCache, "copy_block", lambda *a: copies.append(1) or real_copy(*a))
+    later = prompts_of(model, (4, 22))
+    on_group = lambda index, completions: (later, [3, 3], [7, 8]) if index == 0 else None  # noqa
+    kw = dict(num_samples=3, max_new_tokens=30, temperature=1.0, seed=[5, 6, 9],
+              stop_token_ids=[9, 17], compile=False, block_size=block_size)
+    stats = {}
+    got = generate(model, prompts_of(model, (7, 12, 5)), on_group=on_group, stats=stats,
+                   kv_budget=budget(model, blocks, block_size), **kw)
+    assert len(got) == 15 and steps and stats["preemptions"] > 0, stats
+    assert copies or block_size == 16  # (prompts of 7, 12, 5: a shared partial block at 3)
+
+
 def test_added_prompts_are_checked_like_the_first(tiny):
     model = tiny("llama3")
     kw = dict(max_new_tokens=40, kv_budget=budget(model, 5))  # the pool: 4, what the first needs
