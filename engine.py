@@ -157,8 +157,9 @@ class Engine:
         self.keys = torch.zeros(0, dtype=torch.long, device=model.device)  # (B,) random streams
         # Each row's table again, on the host, written where a decoding row's table changes: a
         # step's tables are one gather, not a conversion of every row's ints, which grew with the
-        # context (MEASUREMENTS.md, "The engine"). (B, the most blocks a row may need), stale past
-        # a row's own length.
+        # context (MEASUREMENTS.md, "The engine"). (B, the most blocks a row may need), 0 past a
+        # row's table: a table only grows while its row decodes, and a preempted row's comes
+        # back as long (its recomputed positions are the ones it had cached).
         self.host_tables = torch.zeros(0, 0, dtype=torch.long)
         self.stats = dict(waits=0, preemptions=0, prefill_tokens=0, decode_steps=0)
 
@@ -340,15 +341,13 @@ class Engine:
     def decoding_tables(self, rows, index):
         """The decoding rows' tables as `tables` gives them, gathered from host_tables by the
         rows' indices (b,) on the host."""
-        lengths = [len(row.table) for row in rows]
-        tables = self.host_tables[index, :max(lengths)]  # (b, nb), stale past each row's length
-        own = torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]  # (b, nb)
-        return torch.where(own, tables, 0).to(self.model.device)
+        widest = max(len(row.table) for row in rows)
+        return self.host_tables[index, :widest].to(self.model.device)  # (b, nb)
 
 
 def pad_rows(rows):
     """Lists of ints -> (len(rows), longest) long, right-padded with 0: one tensor of all the
-    ints, placed by a mask (a tensor a row took 3x the host's time at 256 rows)."""
+    ints, placed by a mask (a tensor a row took twice the host's time at 256 rows)."""
     lengths = [len(r) for r in rows]
     out = torch.zeros(len(rows), max(lengths), dtype=torch.long)
     out[torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]] = torch.tensor(

@@ -9,7 +9,8 @@ step: a step's tokens are read back once, and the next step is built only then.
 The model is Qwen2.5-0.5B's shape on the meta device (no memory; the pool holds every row at its
 longest) and its step is stubbed: token 7 and log-prob 0 for every row, on the CPU, at once. Every
 row runs to --new-tokens (tables grow to their longest). Printed: the mean host milliseconds of a
-decode step over a call, the checkouts alternating, each first in every other round.
+decode step over a call, the checkouts alternating, each first in every other round. Not counted:
+the copies of a step's inputs to the GPU and their wait (five small tensors a step).
 """
 
 import argparse
@@ -73,6 +74,10 @@ def main():
         parser.error(f"{args.before}: no engine.py there; give a checkout of this repository")
     if args.rows < 16 or args.rows % 16:
         parser.error(f"--rows: a multiple of 16, got {args.rows}")
+    for flag, value, least in (("--prompt", args.prompt, 1), ("--new-tokens", args.new_tokens, 2),
+                               ("--repeats", args.repeats, 1)):
+        if value < least:
+            parser.error(f"{flag}: at least {least}, got {value}")
     sys.path.insert(0, HERE)
     from bench import cpu_name
     checkouts = {name: import_checkout(path, ("model", "engine"))

@@ -25,8 +25,8 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OWN = ("model", "moe", "engine", "rollout", "chunked_logprobs", "cuda_graphs", "checkpoints",
-       "lora", "quant")  # imported once per checkout
+OWN = ("model", "moe", "engine", "rollout", "chunked_logprobs", "cuda_graphs", "flex_decode",
+       "checkpoints", "lora", "quant")  # imported once per checkout
 
 
 def import_checkout(path, names=("rollout", "checkpoints", "model")):

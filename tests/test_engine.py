@@ -316,13 +316,13 @@ def test_host_tables_follow_every_change(tiny, monkeypatch, block_size, blocks):
     import engine
     from model import PagedKVCache
     model = tiny("llama3")
-    steps, copies = [], []
+    widths, copies = [], []
     real_tables, real_copy = engine.Engine.decoding_tables, PagedKVCache.copy_block
 
     def checked(self, rows, index):
         got = real_tables(self, rows, index)
         assert torch.equal(got, engine.pad_rows([row.table for row in rows]))
-        steps.append(len(rows))
+        widths.append(self.host_tables.shape[1])
         return got
     monkeypatch.setattr(engine.Engine, "decoding_tables", checked)
     monkeypatch.setattr(PagedKVCache, "copy_block", lambda *a: copies.append(1) or real_copy(*a))
@@ -333,8 +333,8 @@ def test_host_tables_follow_every_change(tiny, monkeypatch, block_size, blocks):
     stats = {}
     got = generate(model, prompts_of(model, (7, 12, 5)), on_group=on_group, stats=stats,
                    kv_budget=budget(model, blocks, block_size), **kw)
-    assert len(got) == 15 and steps and stats["preemptions"] > 0, stats
-    assert copies or block_size == 16  # (prompts of 7, 12, 5: a shared partial block at 3)
+    assert len(got) == 15 and stats["preemptions"] > 0 and copies, stats
+    assert widths[0] < widths[-1]  # the later prompt of 22 widened the host tables
 
 
 def test_added_prompts_are_checked_like_the_first(tiny):
@@ -397,7 +397,8 @@ def test_prefill_in_chunks_keeps_every_sample(tiny):
 
 def test_pad_rows_by_hand():
     """engine.pad_rows: each list in its own row, in order, right-padded with 0 (an empty list is
-    a row of padding); the block tables and prefill chunks of every step go through it."""
+    a row of padding); prefill chunks and their tables go through it, and the decoding rows'
+    tables are checked against it (test_host_tables_follow_every_change)."""
     from engine import pad_rows
     got = pad_rows([[3, 1, 4], [], [15], [9, 2]])
     assert got.dtype == torch.long

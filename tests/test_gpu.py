@@ -123,12 +123,16 @@ def test_cuda_graphs_sampler_equals_eager(checkpoints, dtype, monkeypatch):
     assert graphed and all(s.capture for s in graphed) and len(graphed[-1].graphs) > 1
 
 
-def test_cuda_graphs_with_a_lora_sampler(checkpoints):
-    """With --lora-rank the sampler is the policy itself, adapters and all (launch.whole_policy).
-    Under CUDA graphs it draws eager's samples in float32, and after the adapters change in place
-    (as AdamW's step changes them) the next call's graphs read the new weights, not the old."""
+def test_cuda_graphs_with_a_lora_sampler(checkpoints, monkeypatch):
+    """With --lora-rank the sampler is the policy itself, adapters and all (launch.whole_policy):
+    its decode steps, LoRA's products among them, captured as CUDA graphs draw eager's samples in
+    float32, for two settings of the same adapters (changed in place, as AdamW's step does)."""
+    from cuda_graphs import BucketedStep
     from lora import add_lora
     from test_model import randomise_lora_
+    import rollout
+    steps, real = [], rollout.step_function
+    monkeypatch.setattr(rollout, "step_function", lambda *args: steps.append(real(*args)) or steps[-1])
     ours = add_lora(load_model(checkpoints("qwen2"), dtype=torch.float32, device=CUDA)[0], rank=4)
     prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (4, 9, 13)]
     kw = dict(num_samples=4, max_new_tokens=40, temperature=1.0, stop_token_ids=[3, 7, 11],
@@ -140,7 +144,9 @@ def test_cuda_graphs_with_a_lora_sampler(checkpoints):
                           for graphs in (False, True))
         assert eager == graphed, adapters
         drawn.append(eager)
-    assert drawn[0] != drawn[1]  # the adapters changed the samples: the graphs had to follow
+    assert drawn[0] != drawn[1]  # the adapters are in the step: they changed the samples
+    captured = [s for s in steps if isinstance(s, BucketedStep)]
+    assert len(captured) == 2 and all(s.capture and s.graphs for s in captured)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2"])

@@ -148,7 +148,8 @@ def test_engine_host_times_both_checkouts_and_refuses_bad_input(tmp_path):
     assert all(len(line.split("[")[1].split(",")) == 2 for line in lines[1:3])  # 2 rounds each
     assert "before / this, round by round: median " in lines[3]
     for argv, message in (([str(tmp_path)], "no engine.py there"),
-                          ([str(ROOT), "--rows", "20"], "--rows: a multiple of 16, got 20")):
+                          ([str(ROOT), "--rows", "20"], "--rows: a multiple of 16, got 20"),
+                          ([str(ROOT), "--new-tokens", "1"], "--new-tokens: at least 2, got 1")):
         proc = subprocess.run(script + argv, capture_output=True, text=True)
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
 
