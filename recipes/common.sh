@@ -72,11 +72,19 @@ run_study() {
 }
 
 # Until fewer than $1 runs are running: run_study's `running` (pid -> run directory) loses each run
-# that ends, and `failed` gains those that failed.
+# that ends, and `failed` gains those that failed. `wait -n` can miss a run that bash reaped
+# before it was called (it then names no pid, seen once in CI); `wait PID` still has its status.
 wait_for_runs() {
-    local pid
+    local pid status
     while [ ${#running[@]} -ge "$1" ]; do
-        wait -n -p pid || failed+=("${running[$pid]}")
+        pid= status=0
+        wait -n -p pid || status=$?
+        if [ -z "$pid" ]; then
+            for pid in "${!running[@]}"; do break; done  # any of them: each is waited in turn
+            status=0
+            wait "$pid" || status=$?
+        fi
+        [ "$status" -eq 0 ] || failed+=("${running[$pid]}")
         unset "running[$pid]"
     done
 }
