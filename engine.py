@@ -93,6 +93,11 @@ class BlockPool:
                 self.free.append(block)
 
 
+def blocks_at_longest(prompt, max_new_tokens, block_size):
+    """The blocks a row of `prompt` holds at its longest: ceil((P + max_new_tokens) / bs)."""
+    return -(-(len(prompt) + max_new_tokens) // block_size)
+
+
 def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, rows=None,
                 cuda_graphs=False):
     """The pool's size in blocks (the scratch block included): what every row needs at its
@@ -101,7 +106,7 @@ def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, r
     A row that cannot fit alone is refused here, before any work, with the arithmetic."""
     cfg = model.config
     block_bytes = PagedKVCache.bytes_per_block(cfg, block_size, model.dtype)
-    longest = [-(-(len(p) + max_new_tokens) // block_size) for p in prompts]  # blocks a row
+    longest = [blocks_at_longest(p, max_new_tokens, block_size) for p in prompts]
     blocks = 1 + sum(n * c for n, c in zip(longest, counts))
     budget = kv_budget * 2**30 if kv_budget is not None else None
     if model.device.type == "cuda":
@@ -125,7 +130,7 @@ def decode_working_bytes(cfg, rows, cuda_graphs=False) -> int:
 def refuse_unfit(prompts, max_new_tokens, block_size, block_bytes, blocks):
     """A ValueError with the arithmetic when a row of `prompts` cannot fit alone in a pool of
     `blocks` (the scratch block included)."""
-    longest = max(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)  # blocks a row
+    longest = max(blocks_at_longest(p, max_new_tokens, block_size) for p in prompts)
     if blocks < 1 + longest:
         raise ValueError(
             f"generate: a row of {max(len(p) for p in prompts)} prompt + {max_new_tokens} new "
@@ -174,7 +179,7 @@ class Engine:
             row.routes = torch.full((len(row.prompt) + max_new_tokens, cfg.num_layers,
                                      cfg.experts_per_token), -1, dtype=torch.int16)
         groups = prompt_groups(rows, counts)
-        widest = max(-(-(len(p) + max_new_tokens) // self.block_size) for p in prompts)
+        widest = max(blocks_at_longest(p, max_new_tokens, self.block_size) for p in prompts)
         wider = max(0, widest - self.host_tables.shape[1])
         self.host_tables = F.pad(self.host_tables, (0, wider, 0, len(rows)))  # rows and blocks
         self.rows += rows
