@@ -15,6 +15,8 @@ Off a GPU the same padding runs eagerly, so the CPU tests check everything but t
 (`tests/test_engine.py`); `tests/test_gpu.py` checks the capture on CUDA.
 """
 
+import time
+
 import torch
 
 
@@ -31,19 +33,25 @@ class BucketedStep:
         self.decode_step, self.capture = decode_step, capture
         self.graphs = {}  # (rows, blocks, sampling) -> (graph, static inputs, static outputs)
         self.pool = None  # the memory pool the graphs share
+        self.buckets = set()  # the (rows, blocks) buckets this call's steps came in
+        self.capture_seconds = 0.0  # wall time of the captures, their warm-ups included
 
     def __call__(self, model, fed, start, tables, cache, keys, draws, temperature, top_p, top_k,
                  routing=None):
         b, nb = tables.shape
         padded = pad_inputs(fed, start, tables, keys, draws, bucket(b), bucket(nb))
         sampling = (temperature, top_p, top_k)
+        self.buckets.add((bucket(b), bucket(nb)))
         if not self.capture:
             tokens, logp = self.decode_step(model, *padded[:3], cache, *padded[3:], *sampling)
             return tokens[:b], logp[:b]
         key = (bucket(b), bucket(nb), sampling)
         if key not in self.graphs:
+            begin = time.perf_counter()
             self.graphs[key] = self.captured(model, cache, [torch.zeros_like(x) for x in padded],
                                              sampling)
+            torch.cuda.synchronize()
+            self.capture_seconds += time.perf_counter() - begin
         graph, inputs, (tokens, logp) = self.graphs[key]
         for static, value in zip(inputs, padded):
             static.copy_(value)

@@ -227,7 +227,9 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     The engine's knobs (engine.py): kv_budget, GiB of KV blocks (None: every row at its longest;
     on CUDA at most 90% of free memory, `pool_blocks`); max_rows running at once (None: all);
     block_size, positions a block holds; prefill_tokens, the most a prefill forward computes;
-    stats, a dict of the engine's counts; flex_attention: decode reads the pool (flex_decode.py).
+    stats, a dict of the engine's counts (with cuda_graphs, the buckets of rows and blocks the
+    steps came in and the captures' seconds); flex_attention: decode reads the pool in place
+    (flex_decode.py).
     -> list[Completion], prompt-major. The same seed gives the same samples, whatever the budget.
     """
     counts, seeds = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p,
@@ -264,6 +266,9 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
                 queue_more(engine, more, max_new_tokens, sampling, check_every)
     if stats is not None:
         stats.update(engine.counts())
+        if isinstance(step_fn, BucketedStep):  # on a GPU, a graph captured for each bucket
+            stats.update(graph_buckets=len(step_fn.buckets),
+                         capture_seconds=step_fn.capture_seconds)
     return [completion(row) for row in engine.rows]
 
 

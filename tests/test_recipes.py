@@ -3,6 +3,7 @@ flags (two with their GPU flags too) and ends with the comparison table; every c
 launch at full size parses (train.py's checks included)."""
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -154,6 +155,39 @@ def test_engine_host_times_both_checkouts_and_refuses_bad_input(tmp_path):
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_decode_profile_counts_a_steps_operations_and_refuses_bad_input():
+    """recipes/decode-profile.py at the tiny shape (2 layers): the same count on the meta device as
+    on the CPU (operations do not depend on the device); the products as counted by hand: each
+    layer's q, k, v with their biases (addmm) and wo, gate, up, down (mm), the head once; one
+    gather of the rows' blocks a layer; views (which launch nothing) left out; on the CPU a
+    step's milliseconds too. Bad input is one clear line."""
+    script = [sys.executable, str(ROOT / "recipes" / "decode-profile.py"), "--shape", "tiny",
+              "--rows", "3", "--context", "20", "--steps", "2"]
+    meta, cpu = (subprocess.run(script + ["--device", device], capture_output=True, text=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+                 for device in ("meta", "cpu"))
+    assert meta.returncode == 0 and cpu.returncode == 0, meta.stderr[-2000:] + cpu.stderr[-2000:]
+    lines = cpu.stdout.splitlines()
+    assert lines[0].startswith("decode step, tiny shape, 3 rows x 20 positions cached, bf16, ")
+    assert meta.stdout.splitlines()[1:3] == lines[1:3]
+    total, in_layers, outside = map(int, re.fullmatch(
+        r"  operations a step \(views left out\): (\d+); in the 2 layers (\d+) \(\S+ each\), "
+        r"outside them (\d+)", lines[1]).groups())
+    assert in_layers + outside == total
+    kinds = {kind: int(n) for kind, n in (item.rsplit(" ", 1)
+                                          for item in lines[2].removeprefix("  by kind: ").split(", "))}
+    assert sum(kinds.values()) == total
+    assert kinds["addmm.default"] == 3 * 2 and kinds["mm.default"] == 4 * 2 + 1
+    assert kinds["index_select.default"] == 2
+    assert not {"view.default", "transpose.int", "t.default", "expand.default",
+                "_unsafe_view.default"} & set(kinds)
+    assert lines[3].startswith("  eager: ") and lines[3].endswith(" ms a step")
+    for argv, message in ((["--rows", "0"], "--rows: at least 1, got 0"),
+                          (["--context", "-1"], "--context: at least 1, got -1")):
+        proc = subprocess.run(script + argv, capture_output=True, text=True)
+        assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_a_run_stopped_before_its_first_step_is_no_zero_in_the_means():
     """runs.py's table skips a run with no step in every column, peak memory too: the mean is the
     other runs', not pulled towards 0 MiB."""
@@ -196,6 +230,8 @@ def test_gpu_check_keeps_every_finished_part_when_cut_off(tmp_path):
     text = results.read_text()
     assert "device: cpu" in text and "## model: " + model + " given" in text
     assert "## tests: ok" in text.split("## sampler: ")[0]  # first: they say what broke
+    profile = text.split("## profile: ")[1].split("## sampler")[0]
+    assert profile.startswith("ok, ") and "operations a step" in profile and "ms a step" in profile
     sampler = text.split("## sampler: ")[1].split("## engine")[0]
     assert sampler.startswith("ok, ") and "ours eager" in sampler and "transformers eager" in sampler
     assert " tok/s " in sampler and "matmul-only bound" in sampler
