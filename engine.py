@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from cuda_graphs import bucket
-from flex_decode import FlexPagedKVCache
+from flex_decode import FlexPagedKVCache, map_bytes
 from model import PagedKVCache
 from moe import Routing
 from speed import KeptRowsKVCache
@@ -99,22 +99,23 @@ def blocks_at_longest(prompt, max_new_tokens, block_size):
 
 
 def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, rows=None,
-                cuda_graphs=False):
+                cuda_graphs=False, flex=False):
     """The pool's size in blocks (the scratch block included): what every row needs at its
     longest, no more; within kv_budget GiB when given, and on CUDA within 90% of the memory free
-    beside the decode step's working memory (`rows` at once, all by default; `cuda_graphs`).
+    beside the decode step's working memory (`rows` at once, all by default; `cuda_graphs`), with
+    `flex` FlexAttention's maps of the pool too (they grow with it: flex_decode.map_bytes).
     A row that cannot fit alone is refused here, before any work, with the arithmetic."""
-    cfg = model.config
+    cfg, rows = model.config, rows or sum(counts)
     block_bytes = PagedKVCache.bytes_per_block(cfg, block_size, model.dtype)
     longest = [blocks_at_longest(p, max_new_tokens, block_size) for p in prompts]
     blocks = 1 + sum(n * c for n, c in zip(longest, counts))
-    budget = kv_budget * 2**30 if kv_budget is not None else None
+    if kv_budget is not None:
+        blocks = min(blocks, int(kv_budget * 2**30 // block_bytes))
     if model.device.type == "cuda":
-        working = decode_working_bytes(cfg, rows or sum(counts), cuda_graphs)
+        working = decode_working_bytes(cfg, rows, cuda_graphs)
         free = 0.9 * max(0, torch.cuda.mem_get_info(model.device)[0] - working)
-        budget = free if budget is None else min(budget, free)
-    if budget is not None:
-        blocks = min(blocks, int(budget // block_bytes))
+        maps = map_bytes(cfg, bucket(rows) if cuda_graphs else rows) if flex else 0
+        blocks = min(blocks, int(free // (block_bytes + maps)))
     refuse_unfit(prompts, max_new_tokens, block_size, block_bytes, blocks)
     return blocks
 

@@ -7,12 +7,15 @@ The paged cache's own decode step (model.PagedKVCache.attend) gathers every row'
 (Hkv, b, S, D) tensor per layer: a copy of all the keys and values the step reads, padded to the
 widest table. FlexAttention reads them where they are. A BlockMask lists each row's blocks, its
 block table, as the key blocks the row may visit, and a mask_mod says which positions in them it
-sees: through `place`, the index of each pool block in each row's table, a pool position maps to
-its position in the row. Compiled (`torch.compile`, on CUDA) the kernel loads only the listed
-blocks; eager (the CPU tests) it evaluates the mask_mod over the whole pool, so the mask_mod alone
-must be exact. `place` is (rows, pool blocks) int32 a step and kind of layer; the pool holds at
-most every row at its longest (engine.pool_blocks), so at 256 rows of 5,000 positions in blocks
-of 16 it is 82 MB (the pool: 80k blocks). A prefill chunk keeps the gathered path: many
+sees: `place`, the index each pool block has in the tables that hold it (one index: a block is
+shared only by one prompt's rows, at the same place in each), maps a pool position to its
+position in the row, and the row's table says whether the block is the row's. Compiled
+(`torch.compile`, on CUDA) the kernel loads only the listed blocks; eager (the CPU tests) it
+evaluates the mask_mod over the whole pool, so the mask_mod alone must be exact. A step's maps,
+for each kind of layer: `place`, (pool blocks,) int32, and the BlockMask's list of blocks, (rows,
+pool blocks) int32, as wide as the pool (a compiled kernel's BlockMask must span every key). The
+pool holds at most every row at its longest (engine.pool_blocks): at 256 rows of 5,000 positions
+in blocks of 16 (80k blocks), the list is 82 MB. A prefill chunk keeps the gathered path: many
 queries per row read each block once.
 
     python -m pytest tests/test_engine.py -k flex     # the same tokens as the gathered path
@@ -26,6 +29,13 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from model import PagedKVCache
 
 QUERY_BLOCK = 128  # the BlockMask's query block: one block holds a decode step's single query
+
+
+def map_bytes(cfg, rows) -> int:
+    """A decode step's maps for each block of the pool (`FlexPagedKVCache.block_mask`): its entry
+    in `place` and in each of `rows` rows' lists of blocks, int32, for each kind of layer."""
+    kinds = len({cfg.sliding_window if kind == "sliding" else None for kind in cfg.layer_types})
+    return 4 * (1 + rows) * kinds
 
 
 @functools.cache
@@ -80,15 +90,19 @@ class FlexPagedKVCache(PagedKVCache):
         table and the position there is at most its own (and fewer than `window` back)."""
         tables, position = self.tables, self.positions[:, 0]  # (b, nb), (b,)
         (b, nb), bs, N = tables.shape, self.block_size, self.kv[0].shape[2]
-        place = torch.full((b, N), -1, dtype=torch.int32, device=tables.device)
-        place.scatter_(1, tables, torch.arange(nb, dtype=torch.int32, device=tables.device)
-                       .expand(b, nb))  # place[r, table[r, j]] = j
-        place[:, 0] = -1  # block 0 pads the tables: no row's
+        # place[block] = j where tables[r, j] = block: one j for every row that holds the block,
+        # as a block is shared only by one prompt's rows, at the same place in each (engine.py)
+        place = torch.full((N,), -1, dtype=torch.int32, device=tables.device)  # (N,)
+        place.scatter_(0, tables.reshape(-1), torch.arange(nb, dtype=torch.int32,
+                                                           device=tables.device).repeat(b))
+        place[0] = -1  # block 0 pads the tables: no row's
 
         def visible(row, head, query, key):
-            j = place[row, key // bs]
+            block = key // bs
+            j = place[block]
+            held = (j >= 0) & (tables[row, j.clamp(min=0)] == block)  # a block of this row's
             at = j * bs + key % bs  # the key's position in the row
-            seen = (j >= 0) & (at <= position[row])
+            seen = held & (at <= position[row])
             return seen if window is None else seen & (position[row] - at < window)
 
         # The blocks row r visits, in order: the first `count` of its table. As wide as the pool

@@ -240,8 +240,9 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     rows, record = max_rows or sum(counts), record_routing and model.config.num_experts > 0
     step_fn = step_function(model, compile, record, cuda_graphs)
     captured = isinstance(step_fn, BucketedStep) and step_fn.capture  # graphs on a GPU
-    engine = Engine(model, pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget,
-                                       rows, captured), block_size, rows, prefill_tokens, record,
+    blocks = pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, rows,
+                         captured, flex_attention)
+    engine = Engine(model, blocks, block_size, rows, prefill_tokens, record,
                     keep_rows=kv_budget is None and step_fn is decode_step, flex=flex_attention)
     engine.add(prompts, counts, sample_keys(seeds, counts), max_new_tokens)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)

@@ -255,10 +255,13 @@ def test_a_budget_16x_below_the_static_cache(tiny):
 def test_on_cuda_the_pool_leaves_the_decode_steps_memory_free(tiny, monkeypatch):
     """On CUDA the pool takes 90% of the free memory less the decode step's working memory (rows
     x V x 12 B, and again at the bucket of rows under CUDA graphs, as memory_plan counts it), so
-    a capacity-bound pool cannot starve the step's logits or the graphs' capture. (A stand-in
+    a capacity-bound pool cannot starve the step's logits or the graphs' capture; with
+    FlexAttention each block also costs its entries in the step's maps of the pool. (A stand-in
     device: only torch.cuda.mem_get_info is read.)"""
+    import dataclasses
     import types
     import engine
+    import flex_decode
     from model import PagedKVCache
     cfg = tiny("llama3").config
     stand_in = types.SimpleNamespace(config=cfg, dtype=torch.bfloat16, device=torch.device("cuda"))
@@ -270,7 +273,14 @@ def test_on_cuda_the_pool_leaves_the_decode_steps_memory_free(tiny, monkeypatch)
                                   (24, True, (24 + 32) * cfg.vocab_size * 12)]:
         blocks = engine.pool_blocks(stand_in, prompts, counts, 64, 16, None, rows, graphs)
         assert blocks == int(0.9 * (free - working) // block_bytes) < 1 + 128 * 5, (rows, graphs)
+        # FlexAttention's maps: 4 bytes a block in `place` and in each row's list (32 padded rows
+        # under graphs), for the one kind of layer
+        flex = engine.pool_blocks(stand_in, prompts, counts, 64, 16, None, rows, graphs, True)
+        maps = 4 * (1 + (32 if graphs else 128))
+        assert flex == int(0.9 * (free - working) // (block_bytes + maps)) < blocks
     assert engine.decode_working_bytes(cfg, 24, True) == (24 + 32) * cfg.vocab_size * 12
+    sliding = dataclasses.replace(cfg, sliding_window=8, layer_types=("full", "sliding"))
+    assert flex_decode.map_bytes(sliding, 3) == 2 * 4 * (1 + 3)  # each kind of layer its maps
 
 
 @pytest.mark.parametrize("limits", [dict(), dict(blocks=6, max_rows=4)])
@@ -312,7 +322,8 @@ def test_host_tables_follow_every_change(tiny, monkeypatch, block_size, blocks):
     """Engine.host_tables, written where a decoding row's table changes, gives every decode step
     the tables of the rows' own lists: through prefills shared by a prompt's rows, copies on
     write of a shared partial block, preemptions and recomputation, and later, longer prompts
-    added as groups end (the host tables widen)."""
+    added as groups end (the host tables widen). And a block is at one place in every table that
+    holds it, which flex_decode's map of the pool counts on."""
     import engine
     from model import PagedKVCache
     model = tiny("llama3")
@@ -323,6 +334,8 @@ def test_host_tables_follow_every_change(tiny, monkeypatch, block_size, blocks):
         got = real_tables(self, rows, index)
         assert torch.equal(got, engine.pad_rows([row.table for row in rows]))
         widths.append(self.host_tables.shape[1])
+        places = {(block, j) for row in rows for j, block in enumerate(row.table)}
+        assert len(places) == len({block for block, _ in places})  # one place a block (flex_decode)
         return got
     monkeypatch.setattr(engine.Engine, "decoding_tables", checked)
     monkeypatch.setattr(PagedKVCache, "copy_block", lambda *a: copies.append(1) or real_copy(*a))
