@@ -86,8 +86,9 @@ class FlexPagedKVCache(PagedKVCache):
     def block_mask(self, window=None):
         """This step's BlockMask over the pool's N * bs positions, for b rows with tables (b, nb)
         at positions (b, 1): row r visits the blocks of its table that hold positions up to its
-        own, and sees pool position i (block i // bs, slot i % bs) when that block is in its
-        table and the position there is at most its own (and fewer than `window` back)."""
+        own (and no further back than `window` reaches), and sees pool position i (block i // bs,
+        slot i % bs) when that block is in its table and the position there is at most its own
+        (and fewer than `window` back)."""
         tables, position = self.tables, self.positions[:, 0]  # (b, nb), (b,)
         (b, nb), bs, N = tables.shape, self.block_size, self.kv[0].shape[2]
         # place[block] = j where tables[r, j] = block: one j for every row that holds the block,
@@ -105,11 +106,15 @@ class FlexPagedKVCache(PagedKVCache):
             seen = held & (at <= position[row])
             return seen if window is None else seen & (position[row] - at < window)
 
-        # The blocks row r visits, in order: the first `count` of its table. As wide as the pool
-        # (a compiled kernel's mask must span every key; a bucket's tables may be wider).
+        # The blocks row r visits, in order: those of its table from the first its window reaches
+        # (without a window, the table's first) to the one holding its position. As wide as the
+        # pool (a compiled kernel's mask must span every key; a bucket's tables may be wider).
+        first = torch.zeros_like(position) if window is None else \
+            (position - window + 1).clamp(min=0) // bs  # (b,)
+        columns = first[:, None] + torch.arange(min(nb, N), device=tables.device)  # (b, <= N)
         listed = torch.zeros(b, 1, 1, N, dtype=torch.int32, device=tables.device)
-        listed[:, 0, 0, :min(nb, N)] = tables[:, :N]
-        count = (position // bs + 1).to(torch.int32).view(b, 1, 1)
+        listed[:, 0, 0, :min(nb, N)] = tables.gather(1, columns.clamp(max=nb - 1))
+        count = (position // bs - first + 1).to(torch.int32).view(b, 1, 1)
         return BlockMask.from_kv_blocks(count, listed, BLOCK_SIZE=(QUERY_BLOCK, bs),
                                         mask_mod=visible, seq_lengths=(1, N * bs),
                                         compute_q_blocks=False)

@@ -184,7 +184,8 @@ def test_flex_block_mask_by_hand():
     """Blocks of 4 in a pool of 5, tables 8 wide (a bucket wider than the pool): row 0 holds
     blocks 3, 1 and is at position 5 (it sees pool positions 12-15 and 4, 5); row 1 holds block 2
     (stale keys past its position 1) and sees 8, 9; row 2 pads a bucket (block 0 at position 0)
-    and sees nothing. With a window of 2, row 0 sees positions 4 and 5 only."""
+    and sees nothing. With a window of 2, row 0 sees positions 4 and 5 only, and visits only
+    their block, 1."""
     from flex_decode import FlexPagedKVCache
     from model import ModelConfig
     cfg = ModelConfig("llama", 32, 8, 16, 1, 2, 1, 4, 1e-5, 1e4, None, 64, False, False, False,
@@ -197,10 +198,44 @@ def test_flex_block_mask_by_hand():
         mask = cache.block_mask(window)
         dense = mask.mask_mod(torch.arange(3)[:, None], 0, 0, torch.arange(20)[None])  # (3, 20)
         seen[window] = [torch.nonzero(r).view(-1).tolist() for r in dense]
-        assert mask.kv_num_blocks.view(-1).tolist() == [2, 1, 1]
-        assert mask.kv_indices[:, 0, 0, :2].tolist() == [[3, 1], [2, 0], [0, 0]]
+        count = mask.kv_num_blocks.view(-1).tolist()
+        assert count == ([2, 1, 1] if window is None else [1, 1, 1])
+        assert [row[:n] for row, n in zip(mask.kv_indices[:, 0, 0].tolist(), count)] == (
+            [[3, 1], [2], [0]] if window is None else [[1], [2], [0]])
     assert seen[None] == [[4, 5, 12, 13, 14, 15], [8, 9], []]
     assert seen[2] == [[4, 5], [8, 9], []]
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4])
+def test_flex_lists_every_block_a_row_sees_and_no_more(block_size):
+    """A compiled FlexAttention kernel visits only the blocks a BlockMask lists (eager, as in the
+    other CPU tests, reads the mask_mod over the whole pool and would not notice a block missing
+    from the list). For random rows of a pool (prompt blocks shared at one place, each row's own
+    after them, tables padded to a bucket), positions and windows: the first `count` listed blocks
+    are exactly the blocks in which the mask_mod sees a key."""
+    from flex_decode import FlexPagedKVCache
+    from model import ModelConfig
+    generator = torch.Generator().manual_seed(block_size)
+    for window in (None, 1, 2, 5, 9):
+        cfg = ModelConfig("llama", 32, 8, 16, 1, 2, 1, 4, 1e-5, 1e4, None, 64, False, False, False,
+                          sliding_window=window, layer_types=("sliding" if window else "full",))
+        blocks = torch.randperm(40, generator=generator)[:30] + 1  # pool blocks 1..40, shuffled
+        shared, own = blocks[:3].tolist(), blocks[3:].view(3, 9).tolist()  # a prompt's, rows'
+        positions = torch.randint(0, 12 * block_size, (3,), generator=generator)
+        tables = torch.zeros(4, 16, dtype=torch.long)  # a 4th row pads the bucket
+        for r in range(3):
+            row = (shared + own[r])[:int(positions[r]) // block_size + 1]
+            tables[r, :len(row)] = torch.tensor(row)
+        cache = FlexPagedKVCache(cfg, 41, block_size, torch.float32, "cpu")
+        cache.tables, cache.positions = tables, torch.cat([positions, torch.zeros(1).long()])[:, None]
+        mask = cache.block_mask(window)
+        keys = torch.arange(41 * block_size)
+        dense = mask.mask_mod(torch.arange(4)[:, None], 0, 0, keys[None])  # (4, pool positions)
+        count = mask.kv_num_blocks.view(-1).tolist()
+        for r in range(3):
+            listed = mask.kv_indices[r, 0, 0, :count[r]].tolist()
+            assert sorted(set((keys[dense[r]] // block_size).tolist())) == sorted(listed), (window, r)
+        assert not dense[3].any()
 
 
 @torch.no_grad()
