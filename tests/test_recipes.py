@@ -188,6 +188,21 @@ def test_decode_profile_counts_a_steps_operations_and_refuses_bad_input():
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
+def test_decode_profile_times_the_step_with_its_elementwise_work_compiled():
+    """decode-profile.py --fused (the GPU check's profile part passes it on CUDA): the step timed
+    again with RMSNorm, the rotary embedding and the MLP through torch.compile, each compiled."""
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "decode-profile.py"),
+                           "--device", "cpu", "--shape", "tiny", "--rows", "2", "--context", "9",
+                           "--steps", "1", "--fused"], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[3].startswith("  eager: ") and lines[4].startswith("  elementwise fused: eager: ")
+    assert lines[4].endswith(" ms a step")
+    assert int(lines[5].split()[2]) >= 3  # RMSNorm, the rotary embedding, the MLP
+
+
 def test_a_run_stopped_before_its_first_step_is_no_zero_in_the_means():
     """runs.py's table skips a run with no step in every column, peak memory too: the mean is the
     other runs', not pulled towards 0 MiB."""
