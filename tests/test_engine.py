@@ -308,10 +308,10 @@ def test_on_cuda_the_pool_leaves_the_decode_steps_memory_free(tiny, monkeypatch)
                                   (24, True, (24 + 32) * cfg.vocab_size * 12)]:
         blocks = engine.pool_blocks(stand_in, prompts, counts, 64, 16, None, rows, graphs)
         assert blocks == int(0.9 * (free - working) // block_bytes) < 1 + 128 * 5, (rows, graphs)
-        # FlexAttention's maps: 4 bytes a block in `place` and in each row's list (32 padded rows
-        # under graphs), for the one kind of layer
+        # FlexAttention's maps: 4 bytes a block in `place` and in each row's list (under graphs
+        # again in their pool, 32 padded rows), for the one kind of layer
         flex = engine.pool_blocks(stand_in, prompts, counts, 64, 16, None, rows, graphs, True)
-        maps = 4 * (1 + (32 if graphs else 128))
+        maps = 4 * (1 + (24 + 32 if graphs else 128))
         assert flex == int(0.9 * (free - working) // (block_bytes + maps)) < blocks
     assert engine.decode_working_bytes(cfg, 24, True) == (24 + 32) * cfg.vocab_size * 12
     sliding = dataclasses.replace(cfg, sliding_window=8, layer_types=("full", "sliding"))
