@@ -478,3 +478,19 @@ def test_the_long_tail_workload_of_bench_engine():
     prompts = [[1] * 10, [1] * 30, [1] * 5, [1] * 20, [1] * 3]  # 22 new: 2, 4, 2, 3, 2 blocks
     waves, budget = quarter_waves(prompts, 2, 22)
     assert waves == [prompts[:2], prompts[2:4], prompts[4:]] and budget == 1 + 2 * (2 + 4)
+
+
+def test_bench_engine_reports_the_graphs_captures_apart(capsys):
+    """bench.py engine's report: a graphed path's buckets and the seconds its captures took
+    (inside its time), and its rate without them: 6 tokens in 2 s, 0.5 s of them captures."""
+    from bench import report_engine
+    outputs = {"paged": [[1, 2, 3], [4, 5, 6]], "paged, CUDA graphs": [[1, 2, 3], [4, 5, 6]]}
+    stats = {name: dict(pool_blocks=9, peak_blocks=4, preemptions=0) for name in outputs}
+    stats["paged, CUDA graphs"].update(graph_buckets=3, capture_seconds=0.5)
+    report_engine(outputs, {"paged": [3.0], "paged, CUDA graphs": [2.0]}, "paged", stats, 3,
+                  9, 1024, exact=True)
+    lines = capsys.readouterr().out.splitlines()
+    graphed = next(line for line in lines if line.startswith("  paged, CUDA graphs  "))
+    assert "3 tok/s" in graphed and "1.50x" in graphed
+    assert graphed.endswith("3 buckets of rows and blocks, captures 0.50 s (without them 4 tok/s)")
+    assert "buckets" not in next(line for line in lines if line.startswith("  paged  "))
