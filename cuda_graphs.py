@@ -58,6 +58,11 @@ class BucketedStep:
         graph.replay()
         return tokens[:b].clone(), logp[:b].clone()  # the next replay overwrites the outputs
 
+    def counts(self):
+        """What generate's `stats` receives: graph_buckets, the (rows, blocks) buckets the call's
+        steps came in (on a GPU a graph captured for each), and capture_seconds."""
+        return dict(graph_buckets=len(self.buckets), capture_seconds=self.capture_seconds)
+
     def captured(self, model, cache, inputs, sampling):
         """Captures the step on static `inputs` (all padding: the warm-up and the capture write
         only into the scratch block) -> (graph, inputs, outputs)."""

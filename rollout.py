@@ -227,9 +227,7 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     The engine's knobs (engine.py): kv_budget, GiB of KV blocks (None: every row at its longest;
     on CUDA at most 90% of free memory, `pool_blocks`); max_rows running at once (None: all);
     block_size, positions a block holds; prefill_tokens, the most a prefill forward computes;
-    stats, a dict of the engine's counts (with cuda_graphs, the buckets of rows and blocks the
-    steps came in and the captures' seconds); flex_attention: decode reads the pool in place
-    (flex_decode.py).
+    stats, a dict of counts (Engine.counts, BucketedStep.counts); flex_attention: flex_decode.py.
     -> list[Completion], prompt-major. The same seed gives the same samples, whatever the budget.
     """
     counts, seeds = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p,
@@ -240,10 +238,10 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
     rows, record = max_rows or sum(counts), record_routing and model.config.num_experts > 0
     step_fn = step_function(model, compile, record, cuda_graphs)
     captured = isinstance(step_fn, BucketedStep) and step_fn.capture  # graphs on a GPU
-    blocks = pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, rows,
-                         captured, flex_attention)
-    engine = Engine(model, blocks, block_size, rows, prefill_tokens, record,
-                    keep_rows=kv_budget is None and step_fn is decode_step, flex=flex_attention)
+    engine = Engine(model, pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget,
+                                       rows, captured, flex_attention), block_size, rows,
+                    prefill_tokens, record, keep_rows=kv_budget is None and step_fn is decode_step,
+                    flex=flex_attention)
     engine.add(prompts, counts, sample_keys(seeds, counts), max_new_tokens)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
     stop_ids, steps = set(stop_token_ids), 0
@@ -266,10 +264,7 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
             if more:
                 queue_more(engine, more, max_new_tokens, sampling, check_every)
     if stats is not None:
-        stats.update(engine.counts())
-        if isinstance(step_fn, BucketedStep):  # on a GPU, a graph captured for each bucket
-            stats.update(graph_buckets=len(step_fn.buckets),
-                         capture_seconds=step_fn.capture_seconds)
+        stats.update(engine.counts(), **getattr(step_fn, "counts", dict)())  # BucketedStep's too
     return [completion(row) for row in engine.rows]
 
 
