@@ -346,10 +346,10 @@ def report_engine(outputs, times, reference, stats, N, budget_blocks, block_byte
         extra = (f", peak {stats[name]['peak_blocks']} in use, {stats[name]['preemptions']} "
                  f"preemptions" if name in stats else "")
         if "graph_buckets" in stats.get(name, {}):  # on a GPU a graph captured for each, timed
-            seconds, captures = statistics.median(times[name]), stats[name]["capture_seconds"]
+            captures = stats[name]["capture_seconds"]  # the last run's, as its stats are
             extra += (f", {stats[name]['graph_buckets']} buckets of rows and blocks, captures "
                       f"{captures:.2f} s (without them "
-                      f"{sum(map(len, outputs[name])) / (seconds - captures):.0f} tok/s)")
+                      f"{sum(map(len, outputs[name])) / (times[name][-1] - captures):.0f} tok/s)")
         print(f"  {name:26s} {rate:7.0f} tok/s  {rate / first:5.2f}x  {pool}{extra}")
 
 

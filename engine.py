@@ -116,7 +116,8 @@ def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, r
         free = 0.9 * max(0, torch.cuda.mem_get_info(model.device)[0] - working)
         # FlexAttention's maps grow with the pool; counted as decode_working_bytes counts the
         # step (under graphs, their pool holds them again at the bucket of rows)
-        maps = map_bytes(cfg, rows + (bucket(rows) if cuda_graphs else 0)) if flex else 0
+        maps = (map_bytes(cfg, rows) + (map_bytes(cfg, bucket(rows)) if cuda_graphs else 0)
+                if flex else 0)
         blocks = min(blocks, int(free // (block_bytes + maps)))
     refuse_unfit(prompts, max_new_tokens, block_size, block_bytes, blocks)
     return blocks

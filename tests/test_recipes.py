@@ -258,7 +258,7 @@ def test_gpu_check_keeps_every_finished_part_when_cut_off(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_train_part_runs_two_steps_and_keeps_their_seconds(tmp_path):
-    """The check's train part (PARTS=train) on the CPU at a tiny size: torchrun, two steps, each
+    """The check's train part (PARTS="train profile") on the CPU at a tiny size: torchrun, two steps, each
     step's seconds and peak memory in results.md; and its profile part, a decode step's
     operations and milliseconds at each row count."""
     model = digit_checkpoint(tmp_path / "model", context=128)
