@@ -39,13 +39,14 @@ class BucketedStep:
     def __call__(self, model, fed, start, tables, cache, keys, draws, temperature, top_p, top_k,
                  routing=None):
         b, nb = tables.shape
-        padded = pad_inputs(fed, start, tables, keys, draws, bucket(b), bucket(nb))
+        rows, blocks = bucket(b), bucket(nb)
+        padded = pad_inputs(fed, start, tables, keys, draws, rows, blocks)
         sampling = (temperature, top_p, top_k)
-        self.buckets.add((bucket(b), bucket(nb)))
+        self.buckets.add((rows, blocks))
         if not self.capture:
             tokens, logp = self.decode_step(model, *padded[:3], cache, *padded[3:], *sampling)
             return tokens[:b], logp[:b]
-        key = (bucket(b), bucket(nb), sampling)
+        key = (rows, blocks, sampling)
         if key not in self.graphs:
             begin = time.perf_counter()
             self.graphs[key] = self.captured(model, cache, [torch.zeros_like(x) for x in padded],

@@ -27,17 +27,16 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [HERE, os.path.join(HERE, "recipes")]
+from importlib import import_module  # noqa: E402
+
 from cuda_graphs import BucketedStep, bucket  # noqa: E402
 from model import ModelConfig, PagedKVCache, Transformer  # noqa: E402
 from rollout import decode_step  # noqa: E402
 
 SHAPES = {
-    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896,
-                         intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
-                         head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6, rope_scaling=None,
-                         max_seq_len=32768, tie_word_embeddings=True, qkv_bias=True,
-                         qk_norm=False, layer_types=("full",) * 24),
+    "qwen2.5-0.5b": import_module("engine-host").QWEN_05B,  # the host's measure uses it too
     "tiny": dict(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
                  rope_theta=1e4, rope_scaling=None, max_seq_len=4096, tie_word_embeddings=True,
