@@ -85,6 +85,21 @@ def step_inputs(cfg, rows, context, device, block_size=16):
     return fed, start, tables, cache, keys, draws, 1.0, 1.0, 0  # temperature, top_p, top_k
 
 
+def refuse_what_cannot_fit(parser, cfg, args, block_size=16):
+    """A usage error, before any allocation, when the KV cache of --rows x --context would not fit
+    in 90% of the device's free memory (the meta device holds no memory: any size counts)."""
+    if args.device == "meta":
+        return
+    blocks = 1 + args.rows * -(-(args.context + 1) // block_size)  # as step_inputs sizes it
+    need = blocks * PagedKVCache.bytes_per_block(cfg, block_size, torch.bfloat16)
+    free = torch.cuda.mem_get_info()[0] if args.device == "cuda" else \
+        os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > 0.9 * free:
+        parser.error(f"--rows {args.rows} x --context {args.context}: the KV cache needs "
+                     f"{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB is free on {args.device}; "
+                     f"lower them (--device meta counts the operations at any size)")
+
+
 def ms_a_step(step, model, inputs, steps):
     """The median wall milliseconds of a step, each ending in the host read the engine makes."""
     times = []
@@ -129,6 +144,7 @@ def main():
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
     device, cfg = torch.device(args.device), ModelConfig(**SHAPES[args.shape])
+    refuse_what_cannot_fit(parser, cfg, args)
     torch.manual_seed(0)
     with torch.device(device):
         model = Transformer(cfg).to(torch.bfloat16).eval()

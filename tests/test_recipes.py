@@ -160,7 +160,8 @@ def test_decode_profile_counts_a_steps_operations_and_refuses_bad_input():
     on the CPU (operations do not depend on the device); the products as counted by hand: each
     layer's q, k, v with their biases (addmm) and wo, gate, up, down (mm), the head once; one
     gather of the rows' blocks a layer; views (which launch nothing) left out; on the CPU a
-    step's milliseconds too. Bad input is one clear line."""
+    step's milliseconds too. Bad input is one clear line, a KV cache too large for the device
+    before any allocation."""
     script = [sys.executable, str(ROOT / "recipes" / "decode-profile.py"), "--shape", "tiny",
               "--rows", "3", "--context", "20", "--steps", "2"]
     meta, cpu = (subprocess.run(script + ["--device", device], capture_output=True, text=True,
@@ -183,7 +184,9 @@ def test_decode_profile_counts_a_steps_operations_and_refuses_bad_input():
                 "_unsafe_view.default"} & set(kinds)
     assert lines[3].startswith("  eager: ") and lines[3].endswith(" ms a step")
     for argv, message in ((["--rows", "0"], "--rows: at least 1, got 0"),
-                          (["--context", "-1"], "--context: at least 1, got -1")):
+                          (["--context", "-1"], "--context: at least 1, got -1"),
+                          (["--device", "cpu", "--shape", "qwen2.5-0.5b", "--rows", "100000",
+                            "--context", "100000"], "the KV cache needs 114459.2 GiB")):
         proc = subprocess.run(script + argv, capture_output=True, text=True)
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
 
