@@ -142,6 +142,7 @@ PATH_KEYS = {"ours eager": "ours", "ours compiled": "ours-compiled", "ours, CUDA
              "paged": "ours", "paged, CUDA graphs": "ours-graphs",
              "paged, FlexAttention": "ours-flex",
              "paged, FlexAttention, CUDA graphs": "ours-flex-graphs",
+             "paged, blocks compiled, CUDA graphs": "ours-blocks-graphs",
              "ours, blocks compiled": "ours-compiled", "transformers": "hf"}
 PATHS = list(dict.fromkeys(PATH_KEYS.values()))  # ours, ours-compiled, ours-graphs, hf, ...
 
@@ -243,7 +244,7 @@ def bench_engine(args):
     longest needs): static batching in four waves that fit it, each waiting for its longest row,
     against the paged engine's continuous batching; and the engine with no budget. On CUDA, all
     rows at once: the engine eager and under CUDA graphs, its decode attention gathered or
-    through FlexAttention (flex_decode.py), against transformers' generate (its
+    through FlexAttention (flex_decode.py), its blocks eager or compiled, against transformers' generate (its
     batch waits for its longest row) and the memory-bandwidth bound. Our paths draw the same
     samples (checked; in bf16 on CUDA, counted: other shapes may round differently); the model
     samples near uniformly (temperature 10^4) and `long_tail_stops` draws the lengths."""
@@ -275,12 +276,14 @@ def bench_engine(args):
         budget = budget_blocks * block_bytes / 2**30 if name.startswith("paged, budget") else None
         out = generate(model, prompts, seed=7, kv_budget=budget, stats=stats.setdefault(name, {}),
                        cuda_graphs=name.endswith("CUDA graphs"),
-                       flex_attention="FlexAttention" in name, **sampling)
+                       flex_attention="FlexAttention" in name,
+                       **dict(sampling, compile="blocks compiled" in name))
         return [c.tokens for c in out]
     if device.type == "cuda":
         hf = hf_model(args.model, dtype, device, tokenizer)
         names = [name for name in ["paged", "paged, CUDA graphs", "paged, FlexAttention",
-                                   "paged, FlexAttention, CUDA graphs", "transformers"]
+                                   "paged, FlexAttention, CUDA graphs",
+                                   "paged, blocks compiled, CUDA graphs", "transformers"]
                  if PATH_KEYS[name] in args.paths]
     else:
         names = ["static waves", "paged, budget", "paged, no budget"]
@@ -658,7 +661,8 @@ def main(argv=None):
                         help="sampler, update and engine on CUDA: which paths to time, "
                         "comma-separated, of ours, ours-compiled, ours-graphs (CUDA graphs, on "
                         "CUDA only), ours-flex, ours-flex-graphs (engine: decode attention through "
-                        "FlexAttention), hf (transformers eager), hf-compiled (sampler only)")
+                        "FlexAttention), ours-blocks-graphs (engine: CUDA graphs of each block "
+                        "compiled), hf (transformers eager), hf-compiled (sampler only)")
     update = parser.add_argument_group("update")
     update.add_argument("--batch", type=int, default=8, help="log-prob memory: rows")
     update.add_argument("--length", type=int, default=512, help="log-prob memory: tokens per row")

@@ -13,11 +13,20 @@ they hold, so each call captures its own (what a capture costs: MEASUREMENTS.md,
 
 Off a GPU the same padding runs eagerly, so the CPU tests check everything but the capture
 (`tests/test_engine.py`); `tests/test_gpu.py` checks the capture on CUDA.
+
+A graph replays a step's kernels, but each is still a kernel: ~50 a layer (RMSNorm alone is 8 in
+bf16; `recipes/decode-profile.py` counts them). With `compile=True` the graphs capture
+`CompiledBlocks` instead: each block through torch.compile, whose kernels fuse a layer's
+elementwise work around its matrix products.
 """
 
+import copy
+import functools
 import time
 
 import torch
+
+from model import Block, PagedKVCache
 
 
 def bucket(n):
@@ -90,3 +99,51 @@ def pad_inputs(fed, start, tables, keys, draws, rows, blocks):
     padded_tables[:b, :nb] = tables
     extend = lambda x: torch.cat([x, x.new_zeros(rows - b)])  # noqa: E731
     return extend(fed), extend(start), padded_tables, extend(keys), extend(draws)
+
+
+# ----------------------------------------------------------------------------- compiled blocks
+
+@functools.cache
+def compiled_block():
+    """Block.forward through torch.compile, once per process; shapes dynamic, so a new bucket of
+    rows or blocks is no new compile (but for 1, which torch.compile specialises)."""
+    return torch.compile(Block.forward, dynamic=True)
+
+
+class CompiledBlocks:
+    """rollout.decode_step with each block's forward compiled: generate(..., compile=True,
+    cuda_graphs=True). Compiling the whole step unrolls every layer into one graph (its first
+    call outlasted 4 minutes on an H100, MEASUREMENTS.md "On a GPU"); a block compiles once and
+    every layer reuses the graph, as nothing in it names its layer: each layer is handed the
+    cache of its own keys and values alone (`one_layer`) as layer 0. The model is patched for
+    the step only; the prefill stays eager."""
+
+    def __init__(self, decode_step):
+        self.decode_step = decode_step
+
+    def __call__(self, model, fed, start, tables, cache, *rest):
+        if type(cache) is not PagedKVCache:  # FlexAttention's masks are made once for all layers
+            raise ValueError(f"generate: compile=True with cuda_graphs=True compiles each block "
+                             f"on a cache of its own layer; {type(cache).__name__} (flex_attention"
+                             f"=True) spans the layers: one or the other")
+        for layer in model.layers:
+            layer.forward = functools.partial(self.compiled_forward, layer)
+        try:
+            return self.decode_step(model, fed, start, tables, cache, *rest)
+        finally:
+            for layer in model.layers:
+                del layer.forward  # the class's eager forward again
+
+    @staticmethod
+    def compiled_forward(block, x, cos, sin, mask, cache, layer, routing=None):
+        # Without duck shapes: 64 rows would otherwise share one size with a head of 64.
+        with torch.fx.experimental._config.patch(use_duck_shape=False):  # read when compiling
+            return compiled_block()(block, x, cos, sin, mask, one_layer(cache, layer), 0, routing)
+
+
+def one_layer(cache, layer):
+    """The paged cache as one layer sees it: that layer's keys and values as its only layer, the
+    step's slots and tables shared (a copy of the object, not of the memory)."""
+    view = copy.copy(cache)
+    view.kv = [cache.kv[layer]]
+    return view

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from cuda_graphs import BucketedStep
+from cuda_graphs import BucketedStep, CompiledBlocks
 from engine import Engine, pool_blocks, refuse_unfit, tokens_so_far
 from model import Transformer
 from speed import sampling_products
@@ -288,14 +288,14 @@ def queue_more(engine, more, max_new_tokens, sampling, check_every):
 
 
 def step_function(model, compile, record, cuda_graphs=False):
-    """The decode step: eager unless `compile` is True (None: eager; on an H100 the whole step's
-    first compile for Qwen2.5-0.5B outlasted 4 minutes, MEASUREMENTS.md "On a GPU") or
-    `cuda_graphs` (padded to buckets, replayed as CUDA graphs on a GPU: cuda_graphs.py; the same
-    padding, eager, elsewhere); eager on an MoE (it groups tokens by expert with a host read)."""
+    """The decode step: eager (compile None or False), compiled whole (True; on an H100 its first
+    call outlasted 4 minutes: MEASUREMENTS.md "On a GPU"), or with `cuda_graphs` replayed per bucket
+    (cuda_graphs.py; with compile, its blocks compiled); eager on an MoE (experts read the host)."""
     if model.config.num_experts or record:
         return decode_step
     if cuda_graphs:
-        return BucketedStep(decode_step, capture=model.device.type == "cuda")
+        step = CompiledBlocks(decode_step) if compile else decode_step
+        return BucketedStep(step, capture=model.device.type == "cuda")
     return compiled_step(model.device) if compile else decode_step
 
 

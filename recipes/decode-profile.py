@@ -11,8 +11,9 @@ nothing); on the meta device that is all (shapes only: any machine, any size, no
 CPU or CUDA: the wall milliseconds of a step, eager. On CUDA also: replayed as a CUDA graph
 (cuda_graphs.BucketedStep), and what capturing that graph took (a `generate` call captures one
 for each bucket of rows and blocks its steps come in); the kernels' own time a step by kind
-(torch.profiler), against which the gaps between them show. --fused: then the same times with
-each layer's elementwise work compiled (`fuse_elementwise`): whether fewer kernels would pay. The
+(torch.profiler), against which the gaps between them show. --fused: then the same with each
+block compiled (cuda_graphs.CompiledBlocks: one graph every layer reuses, what
+`generate(compile=True, cuda_graphs=True)` replays): whether fewer, fused kernels pay. The
 model is random, in bf16; each row has --context positions cached in blocks of its own and feeds
 one token; temperature 1.
 """
@@ -31,7 +32,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [HERE, os.path.join(HERE, "recipes")]
 from importlib import import_module  # noqa: E402
 
-from cuda_graphs import BucketedStep, bucket  # noqa: E402
+from cuda_graphs import BucketedStep, CompiledBlocks, bucket  # noqa: E402
 from model import ModelConfig, PagedKVCache, Transformer  # noqa: E402
 from rollout import decode_step  # noqa: E402
 
@@ -111,13 +112,13 @@ def ms_a_step(step, model, inputs, steps):
     return statistics.median(times[3:])
 
 
-def kernels_a_step(model, inputs, steps):
+def kernels_a_step(step, model, inputs, steps):
     """-> (the kernels' own milliseconds a step, the kernels a step, the top kinds by time);
     copies between host and device (the step's one read of its tokens) are not kernels."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            decode_step(model, *inputs)[0].tolist()
+            step(model, *inputs)[0].tolist()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not e.name.startswith(("Memcpy", "Memset"))]
     by_kind = collections.Counter()
@@ -136,7 +137,7 @@ def main():
                         "that a CUDA graph does the eager step's work)")
     parser.add_argument("--steps", type=int, default=20, help="steps timed (after 3 more)")
     parser.add_argument("--fused", action="store_true", help="then time it again with each "
-                        "layer's elementwise work compiled (needs a C++ compiler on a CPU)")
+                        "block compiled (needs a C++ compiler on a CPU)")
     args = parser.parse_args()
     for flag, value in (("--rows", args.rows), ("--context", args.context), ("--steps", args.steps)):
         if value < 1:
@@ -160,43 +161,32 @@ def main():
         print("  by kind: " + ", ".join(f"{k} {v}" for k, v in ops.counts.most_common()))
         if device.type == "meta":
             return
-        report_times("", model, inputs, args.steps, device)
+        report_times("eager", decode_step, model, inputs, args.steps, device)
         if args.fused:
-            fuse_elementwise()
-            report_times("elementwise fused: ", model, inputs, args.steps, device)
+            report_times("blocks compiled", CompiledBlocks(decode_step), model, inputs,
+                         args.steps, device)
             from torch._dynamo.utils import counters
-            print(f"  elementwise fused: {counters['stats']['unique_graphs']} graphs compiled")
+            print(f"  blocks compiled: {counters['stats']['unique_graphs']} graphs compiled")
 
 
-def report_times(label, model, inputs, steps, device):
-    """Prints a step's wall milliseconds eager; on CUDA also replayed as a CUDA graph, what its
-    capture took, and the eager kernels' own time by kind."""
-    print(f"  {label}eager: {ms_a_step(decode_step, model, inputs, steps):.2f} ms a step")
+def report_times(label, step, model, inputs, steps, device):
+    """Prints the wall milliseconds of a `step` (decode_step, or CompiledBlocks) run as it is;
+    on CUDA also replayed as a CUDA graph, what its capture took, and its kernels by kind."""
+    print(f"  {label}: {ms_a_step(step, model, inputs, steps):.2f} ms a step")
     if device.type != "cuda":
         return
-    graphs = BucketedStep(decode_step, capture=True)
+    graphs = BucketedStep(step, capture=True)
     graphs(model, *inputs)[0].tolist()  # its first call captures the bucket's graph
     b, nb = inputs[2].shape  # the block tables
     padded = "" if (bucket(b), bucket(nb)) == (b, nb) else \
         f" (padded to a bucket of {bucket(b)} rows, {bucket(nb)} blocks: more work than eager's)"
-    print(f"  {label}CUDA graph: {ms_a_step(graphs, model, inputs, steps):.2f} ms a step{padded}; "
+    print(f"  {label}, CUDA graph: {ms_a_step(graphs, model, inputs, steps):.2f} ms a step{padded}; "
           f"its capture {1e3 * graphs.capture_seconds:.0f} ms (2 warm-up steps and the capture)")
-    busy, count, top = kernels_a_step(model, inputs, steps)
-    print(f"  {label}eager kernels: {count:.0f} a step, {busy:.2f} ms of their own time a step; "
+    busy, count, top = kernels_a_step(step, model, inputs, steps)
+    print(f"  {label}, kernels: {count:.0f} a step, {busy:.2f} ms of their own time a step; "
           f"by kind (ms a step):")
     for name, ms in top:
         print(f"    {ms:7.3f}  {name}")
-
-
-def fuse_elementwise():
-    """--fused: each layer's elementwise work through torch.compile, patched in from here, one
-    compile each that every layer reuses: RMSNorm, the rotary embedding, and the MLP (its SiLU
-    and product fused, its products left to the matmul library). What fusing those alone would
-    gain, before any change to the model; the compiles run in the first warm-up step."""
-    import model as model_module
-    for cls in (model_module.RMSNorm, model_module.MLP):
-        cls.forward = torch.compile(cls.forward, dynamic=True)
-    model_module.apply_rope = torch.compile(model_module.apply_rope, dynamic=True)
 
 
 def device_name(device):

@@ -23,7 +23,9 @@
 #   profile   recipes/decode-profile.py at ROWS rows of 511 cached positions (its own random 0.5B
 #             shape; on a CPU its tiny one): a decode step's operations by kind, its milliseconds
 #             eager and as a CUDA graph, its kernels' own time by kind; at the first row count
-#             again with each layer's elementwise work compiled (--fused)
+#             again with each block compiled (--fused: cuda_graphs.CompiledBlocks)
+#   blocks    CUDA graphs of compiled blocks (generate(compile=True, cuda_graphs=True)): their test
+#             against eager, then the long tail against the graphs of eager blocks
 #   compiled  the compiled decode step's tests, then its speed against eager (SKIP_COMPILE=1: not)
 # On an H100 (MEASUREMENTS.md, "On a GPU"): all before `profile` took ~570 s, the default BUDGET
 # (`profile` is new: about 60 s expected); the parts a budget leaves out say so, and PARTS runs
@@ -181,6 +183,10 @@ part profile 150 "decode step|operations|by kind|ms a step|kernels|graphs compil
         $fused || exit
     fused=
     done'
+part blocks 200 "$tests|$engine" bash -c '$python -m pytest -p no:cacheprovider -v tests/test_gpu.py \
+    -k compiled_blocks || exit
+    [ "$device" = cuda ] || exit 0  # (a CPU times the engine in the engine part)
+    engine_at ours-graphs,ours-blocks-graphs'
 if [ "${SKIP_COMPILE:-0}" = 1 ]; then
     echo "## compiled: skipped (SKIP_COMPILE=1)" | tee -a "$results"
 else  # last: compiling the whole decode step of a 0.5B model outlasted 4 minutes on an H100

@@ -1,7 +1,7 @@
 """The CUDA path, for the day a GPU is lent (every test skips without CUDA): logit parity with
 transformers on the GPU for every family in float32 and bfloat16, the KV-cache decode, the sampler
-compiled against eager, a LoRA sampler under CUDA graphs, FlexAttention's decode against the
-gathered one, and train.py under torchrun with NCCL (DDP, one rank) with an exact resume.
+compiled against eager, a LoRA sampler under CUDA graphs, CUDA graphs of compiled blocks,
+FlexAttention's decode against the gathered one, and train.py under torchrun with NCCL (DDP, one rank) with an exact resume.
 `recipes/gpu-check.sh` runs these in its tests, flex, nccl and compiled parts."""
 
 import pytest
@@ -150,6 +150,22 @@ def test_cuda_graphs_with_a_lora_sampler(checkpoints, monkeypatch):
     assert drawn[0] != drawn[1]  # the adapters are in the step: they changed the samples
     captured = [s for s in steps if isinstance(s, BucketedStep)]
     assert len(captured) == 2 and all(s.capture and s.graphs for s in captured)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_cuda_graphs_with_compiled_blocks_equal_eager(checkpoints, family):
+    """compile=True with cuda_graphs=True: each block compiled once for every layer
+    (cuda_graphs.CompiledBlocks), its fused kernels (the cache written in place among them)
+    captured per bucket, draws eager's samples in float32 as rows stop and buckets change."""
+    ours = load_model(checkpoints(family), dtype=torch.float32, device=CUDA)[0]
+    prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (4, 9, 13, 30)]
+    kw = dict(num_samples=5, max_new_tokens=60, temperature=1.0, stop_token_ids=[3, 7, 11],
+              seed=7, cuda_graphs=True)
+    stats = {}
+    eager = [c.tokens for c in generate(ours, prompts, compile=False, **kw)]
+    compiled = [c.tokens for c in generate(ours, prompts, compile=True, stats=stats, **kw)]
+    assert sum(a == b for a, b in zip(eager, compiled)) >= len(eager) - 1
+    assert stats["graph_buckets"] > 1 and stats["capture_seconds"] > 0
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2"])

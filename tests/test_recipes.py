@@ -192,20 +192,18 @@ def test_decode_profile_counts_a_steps_operations_and_refuses_bad_input():
 
 
 @pytest.mark.slow
-def test_decode_profile_times_the_step_with_its_elementwise_work_compiled():
+def test_decode_profile_times_the_step_with_its_blocks_compiled():
     """decode-profile.py --fused (the GPU check's profile part passes it on CUDA): the step timed
-    again with RMSNorm, the rotary embedding and the MLP through torch.compile, each compiled."""
+    again with each block compiled (cuda_graphs.CompiledBlocks), one graph for every layer."""
     proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "decode-profile.py"),
                            "--device", "cpu", "--shape", "tiny", "--rows", "2", "--context", "9",
                            "--steps", "1", "--fused"], capture_output=True, text=True,
                           env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
-    assert lines[3].startswith("  eager: ") and lines[4].startswith("  elementwise fused: eager: ")
+    assert lines[3].startswith("  eager: ") and lines[4].startswith("  blocks compiled: ")
     assert lines[4].endswith(" ms a step")
-    # one compile each, not one a layer: RMSNorm at two ranks (the layers' (b, 1, C), the final
-    # norm's (b, C)), the rotary embedding, the MLP
-    assert int(lines[5].split()[2]) == 4
+    assert int(lines[5].split()[2]) == 1  # one graph that both layers reuse, not one a layer
 
 
 def test_a_run_stopped_before_its_first_step_is_no_zero_in_the_means():
@@ -261,24 +259,26 @@ def test_gpu_check_keeps_every_finished_part_when_cut_off(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_train_part_runs_two_steps_and_keeps_their_seconds(tmp_path):
-    """The check's train part (PARTS="train profile") on the CPU at a tiny size: torchrun, two steps, each
-    step's seconds and peak memory in results.md; and its profile part, a decode step's
-    operations and milliseconds at each row count."""
+    """The check's train part (PARTS="train profile blocks") on the CPU at a tiny size: torchrun,
+    two steps, each step's seconds and peak memory in results.md; its profile part, a decode
+    step's operations and milliseconds at each row count; its blocks part, whose tests skip."""
     model = digit_checkpoint(tmp_path / "model", context=128)
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable, OUT=str(out), DEVICE="cpu",
-               MODEL_DIR=model, PARTS="train profile", TRAIN_PROMPTS="4", TRAIN_SAMPLES="4",
+               MODEL_DIR=model, PARTS="train profile blocks", TRAIN_PROMPTS="4", TRAIN_SAMPLES="4",
                TRAIN_TOKENS="4", ROWS="2 4")
     subprocess.run(["bash", str(ROOT / "recipes" / "gpu-check.sh")], env=env, check=True,
                    capture_output=True, timeout=300)
     text = (out / "results.md").read_text()
-    assert "## sampler: skipped (PARTS=train profile)" in text and "## nccl: skipped" in text
-    profile = text.split("## profile: ")[1].split("## compiled")[0]
+    assert "## sampler: skipped (PARTS=train profile blocks)" in text and "## nccl: skipped" in text
+    profile = text.split("## profile: ")[1].split("## blocks")[0]
     assert profile.startswith("ok, ") and profile.count("operations a step") == 2, profile
     assert profile.count("by kind: ") == 2 and profile.count(" ms a step") == 2
     train = text.split("## train: ")[1].split("## profile")[0]
     assert train.startswith("ok, ") and "step 1: rollout" in train and "step 2: rollout" in train
     assert "update" in train and "peak" in train
+    blocks = text.split("## blocks: ")[1].split("## compiled")[0]
+    assert blocks.startswith("ok, ") and "2 skipped" in blocks, blocks  # the two families
 
 
 def test_sampler_ab_packs_every_projection_of_each_checkout(tiny_ckpt):
