@@ -244,8 +244,8 @@ def bench_engine(args):
     longest needs): static batching in four waves that fit it, each waiting for its longest row,
     against the paged engine's continuous batching; and the engine with no budget. On CUDA, all
     rows at once: the engine eager and under CUDA graphs, its decode attention gathered or
-    through FlexAttention (flex_decode.py), its blocks eager or compiled, against transformers' generate (its
-    batch waits for its longest row) and the memory-bandwidth bound. Our paths draw the same
+    through FlexAttention (flex_decode.py), its blocks eager or compiled, against transformers'
+    generate (its batch waits for its longest row) and the memory-bandwidth bound. Our paths draw the same
     samples (checked; in bf16 on CUDA, counted: other shapes may round differently); the model
     samples near uniformly (temperature 10^4) and `long_tail_stops` draws the lengths."""
     device = torch.device(args.device)
@@ -268,7 +268,7 @@ def bench_engine(args):
 
     def run(name, new_tokens=N):
         sampling = dict(num_samples=G, max_new_tokens=new_tokens, temperature=1e4,
-                        stop_token_ids=stops, compile=False)
+                        stop_token_ids=stops, compile="blocks compiled" in name)
         if name == "transformers":
             return hf_long_tail(hf, prompts, G, new_tokens, stops)
         if name == "static waves":
@@ -276,8 +276,7 @@ def bench_engine(args):
         budget = budget_blocks * block_bytes / 2**30 if name.startswith("paged, budget") else None
         out = generate(model, prompts, seed=7, kv_budget=budget, stats=stats.setdefault(name, {}),
                        cuda_graphs=name.endswith("CUDA graphs"),
-                       flex_attention="FlexAttention" in name,
-                       **dict(sampling, compile="blocks compiled" in name))
+                       flex_attention="FlexAttention" in name, **sampling)
         return [c.tokens for c in out]
     if device.type == "cuda":
         hf = hf_model(args.model, dtype, device, tokenizer)

@@ -70,7 +70,8 @@ class BucketedStep:
 
     def counts(self):
         """What generate's `stats` receives: graph_buckets, the (rows, blocks) buckets the call's
-        steps came in (on a GPU a graph captured for each), and capture_seconds."""
+        steps came in (on a GPU a graph captured for each), and capture_seconds (with
+        CompiledBlocks, the compiles their warm-ups ran too)."""
         return dict(graph_buckets=len(self.buckets), capture_seconds=self.capture_seconds)
 
     def captured(self, model, cache, inputs, sampling):
@@ -105,9 +106,10 @@ def pad_inputs(fed, start, tables, keys, draws, rows, blocks):
 
 @functools.cache
 def compiled_block():
-    """Block.forward through torch.compile, once per process; shapes dynamic, so a new bucket of
-    rows or blocks is no new compile (but for 1, which torch.compile specialises)."""
-    return torch.compile(Block.forward, dynamic=True)
+    """Block.forward through torch.compile, once per process, in one graph (a break would split
+    the fusion: an error instead); shapes dynamic, so a new bucket of rows or blocks is no new
+    compile (but for 1, which torch.compile specialises)."""
+    return torch.compile(Block.forward, fullgraph=True, dynamic=True)
 
 
 class CompiledBlocks:
@@ -115,27 +117,32 @@ class CompiledBlocks:
     cuda_graphs=True). Compiling the whole step unrolls every layer into one graph (its first
     call outlasted 4 minutes on an H100, MEASUREMENTS.md "On a GPU"); a block compiles once and
     every layer reuses the graph, as nothing in it names its layer: each layer is handed the
-    cache of its own keys and values alone (`one_layer`) as layer 0. The model is patched for
-    the step only; the prefill stays eager."""
+    cache of its own keys and values alone (`one_layer`) as layer 0. The blocks' forwards are
+    swapped for the step only (the prefill stays eager). Under CUDA graphs the compiles run in
+    a bucket's warm-up steps, so a call's capture_seconds hold them."""
 
     def __init__(self, decode_step):
         self.decode_step = decode_step
 
     def __call__(self, model, fed, start, tables, cache, *rest):
-        if type(cache) is not PagedKVCache:  # FlexAttention's masks are made once for all layers
-            raise ValueError(f"generate: compile=True with cuda_graphs=True compiles each block "
-                             f"on a cache of its own layer; {type(cache).__name__} (flex_attention"
-                             f"=True) spans the layers: one or the other")
-        for layer in model.layers:
-            layer.forward = functools.partial(self.compiled_forward, layer)
+        # FlexAttention's cache and an MoE's routing read the layer's index, which is 0 here
+        if type(cache) is not PagedKVCache or model.config.num_experts:
+            raise ValueError(f"CompiledBlocks: each block runs as layer 0 on a cache of its own "
+                             f"layer, which {type(cache).__name__} and an MoE cannot")
+        if any("forward" in vars(layer) for layer in model.layers):
+            raise RuntimeError("CompiledBlocks: a block's forward is swapped already")
         try:
+            for layer in model.layers:
+                layer.forward = functools.partial(self.compiled_forward, layer)
             return self.decode_step(model, fed, start, tables, cache, *rest)
         finally:
             for layer in model.layers:
-                del layer.forward  # the class's eager forward again
+                vars(layer).pop("forward", None)  # the class's eager forward again
 
     @staticmethod
-    def compiled_forward(block, x, cos, sin, mask, cache, layer, routing=None):
+    def compiled_forward(block, x, cos, sin, mask, cache=None, layer=0, routing=None):
+        if cache is None:  # any other forward through the block meanwhile: as it was
+            return Block.forward(block, x, cos, sin, mask, cache, layer, routing)
         # Without duck shapes: 64 rows would otherwise share one size with a head of 64.
         with torch.fx.experimental._config.patch(use_duck_shape=False):  # read when compiling
             return compiled_block()(block, x, cos, sin, mask, one_layer(cache, layer), 0, routing)

@@ -217,24 +217,24 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
              prefill_tokens=8192, stats=None, on_group=None, cuda_graphs=False,
              flex_attention=False):
     """prompts: token-id lists; num_samples, seed: an int, or one per prompt. compile: the decode
-    step through torch.compile (None: eager; `step_function`); cuda_graphs: decode steps padded
-    to buckets, on a GPU replayed as CUDA graphs. record_routing: on an MoE, each Completion's
-    `.routing` holds every position's experts (routing replay). stream: called every
-    `check_every` decode steps (None: 1) with the tokens so far, (B, longest), 0 past a row's end
-    (demo.py). on_group(prompt index, its Completions), as each prompt's last row ends, may
-    return (prompts, num_samples, seeds) lists to queue on, numbered on from those so far
-    (refills.py), sharing the pool and row cap sized for the call's own prompts.
+    step through torch.compile (`step_function`); cuda_graphs: decode steps padded to buckets, on
+    a GPU replayed as CUDA graphs. record_routing: on an MoE, each Completion's `.routing` holds
+    every position's experts. stream: called every `check_every` decode steps (None: 1) with the
+    tokens so far, (B, longest), 0 past a row's end (demo.py). on_group(prompt index, its
+    Completions), as each prompt's last row ends, may return (prompts, num_samples, seeds) lists
+    to queue on, numbered on from those so far (refills.py), sharing the call's pool and row cap.
     The engine's knobs (engine.py): kv_budget, GiB of KV blocks (None: every row at its longest;
     on CUDA at most 90% of free memory, `pool_blocks`); max_rows running at once (None: all);
     block_size, positions a block holds; prefill_tokens, the most a prefill forward computes;
     stats, a dict of counts (Engine.counts, BucketedStep.counts); flex_attention: flex_decode.py.
-    -> list[Completion], prompt-major. The same seed gives the same samples, whatever the budget.
-    """
+    -> list[Completion], prompt-major. The same seed gives the same samples, whatever the budget."""
     counts, seeds = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p,
                                   top_k, check_every, seed)
     if block_size < 1 or prefill_tokens < 1 or (max_rows is not None and max_rows < 1):
         raise ValueError(f"generate: need block_size, prefill_tokens and max_rows >= 1; got "
                          f"{block_size}, {prefill_tokens}, {max_rows}")
+    if flex_attention and compile and cuda_graphs:  # CompiledBlocks: a cache of one layer each
+        raise ValueError("generate: flex_attention with compile and cuda_graphs: one or the other")
     rows, record = max_rows or sum(counts), record_routing and model.config.num_experts > 0
     step_fn = step_function(model, compile, record, cuda_graphs)
     captured = isinstance(step_fn, BucketedStep) and step_fn.capture  # graphs on a GPU

@@ -180,8 +180,9 @@ def report_times(label, step, model, inputs, steps, device):
     b, nb = inputs[2].shape  # the block tables
     padded = "" if (bucket(b), bucket(nb)) == (b, nb) else \
         f" (padded to a bucket of {bucket(b)} rows, {bucket(nb)} blocks: more work than eager's)"
-    print(f"  {label}, CUDA graph: {ms_a_step(graphs, model, inputs, steps):.2f} ms a step{padded}; "
-          f"its capture {1e3 * graphs.capture_seconds:.0f} ms (2 warm-up steps and the capture)")
+    replayed = ms_a_step(graphs, model, inputs, steps)
+    print(f"  {label}, CUDA graph: {replayed:.2f} ms a step{padded}; its capture "
+          f"{1e3 * graphs.capture_seconds:.0f} ms (2 warm-up steps and the capture)")
     busy, count, top = kernels_a_step(step, model, inputs, steps)
     print(f"  {label}, kernels: {count:.0f} a step, {busy:.2f} ms of their own time a step; "
           f"by kind (ms a step):")

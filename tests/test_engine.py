@@ -439,43 +439,60 @@ def test_padded_steps_count_their_buckets(tiny):
 @pytest.mark.parametrize("family", ["gemma3", "llama3"])
 def test_compiled_blocks_make_one_graph_for_every_layer(tiny, family, monkeypatch):
     """compile=True with cuda_graphs=True (cuda_graphs.CompiledBlocks): every layer's block runs
-    through one compiled graph, sliding and full layers alike (Gemma 3's 3 layers: 2 kinds of
-    mask and rotation; Llama 3's 3), with no graph break, and the samples do not change. Counted with
-    torch.compile's frame counter as the backend (the graphs run as traced, not compiled);
-    test_compiled_blocks_under_inductor_keep_every_sample compiles them."""
+    through the compiled block, and one graph serves them all, sliding and full layers alike
+    (Gemma 3's 3 layers: 2 kinds of mask and rotation; Llama 3's 3), with no graph break; the
+    samples do not change. Counted with torch.compile's frame counter as the backend (the graph
+    runs as traced); test_compiled_blocks_under_inductor_keep_every_sample compiles it."""
     import cuda_graphs
     from torch._dynamo.testing import CompileCounter
-    torch._dynamo.reset()
-    counter = CompileCounter()
-    block = torch.compile(cuda_graphs.Block.forward, backend=counter, dynamic=True)
-    monkeypatch.setattr(cuda_graphs, "compiled_block", lambda: block)
+    torch._dynamo.reset()  # no entries left on Block.forward by other tests in this process
+    counter, calls = CompileCounter(), []
+    compiled = torch.compile(cuda_graphs.Block.forward, backend=counter, dynamic=True)
+    monkeypatch.setattr(cuda_graphs, "compiled_block", lambda: lambda *a: calls.append(1) or
+                        compiled(*a))
     model = tiny(family)
     prompts = prompts_of(model)[:2]  # 2 prompts x 3 rows: one row bucket of 8, then fewer
     generate(model, prompts, num_samples=3, max_new_tokens=2, compile=True,
              cuda_graphs=True)  # the prefill draws the first token, one decode step the second
-    assert counter.frame_count == 1 and model.config.num_layers == 3
+    assert counter.frame_count == 1 and len(calls) == model.config.num_layers == 3
     for kw in SAMPLING:
         kw = dict(num_samples=3, max_new_tokens=30, **kw)
         assert_same(generate(model, prompts, compile=True, cuda_graphs=True, **kw),
                     generate(model, prompts, compile=False, **kw))
     assert counter.frame_count <= 4  # a bucket of 1 row or 1 block is specialised: recompiled
-    assert all("forward" not in vars(layer) for layer in model.layers)  # unpatched after
+    assert all("forward" not in vars(layer) for layer in model.layers)  # swapped back after
+
+
+def test_compiled_blocks_refuse_what_reads_the_layer_index(tiny):
+    """FlexAttention's cache and an MoE's routing read a layer's index, which a compiled block
+    does not see: generate refuses flex_attention with compile and cuda_graphs before any work,
+    and CompiledBlocks refuses an MoE (rollout.step_function keeps one eager)."""
+    from cuda_graphs import CompiledBlocks
+    from model import PagedKVCache
+    from rollout import decode_step
+    model = tiny("llama3")
+    with pytest.raises(ValueError, match="flex_attention with compile and cuda_graphs: one or"):
+        generate(model, prompts_of(model), compile=True, cuda_graphs=True, flex_attention=True,
+                 max_new_tokens=4)
+    moe = tiny("qwen3_moe")
+    with pytest.raises(ValueError, match="PagedKVCache and an MoE cannot"):
+        CompiledBlocks(decode_step)(moe, None, None, None,
+                                    PagedKVCache(moe.config, 4, 16, torch.float32, "cpu"))
 
 
 @pytest.mark.slow
 def test_compiled_blocks_under_inductor_keep_every_sample(tiny):
     """The same with torch.compile's own backend, whose kernels write the cache in place: the
-    samples of the eager decode, greedy and drawn, as rows stop and buckets change. With
-    flex_attention=True (whose masks are made once for all layers) it is refused in words."""
-    model = tiny("gemma3")
+    samples of the eager decode, greedy and drawn, as rows stop and buckets change."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()  # compiled here, not left to an entry of another test
+    model, before = tiny("gemma3"), counters["stats"]["unique_graphs"]
     prompts = prompts_of(model)
     for kw in SAMPLING[:2]:
         kw = dict(num_samples=3, max_new_tokens=30, **kw)
         assert_same(generate(model, prompts, compile=True, cuda_graphs=True, **kw),
                     generate(model, prompts, compile=False, **kw))
-    with pytest.raises(ValueError, match="FlexPagedKVCache .* one or the other"):
-        generate(model, prompts, compile=True, cuda_graphs=True, flex_attention=True,
-                 max_new_tokens=4)
+    assert counters["stats"]["unique_graphs"] > before
 
 
 def test_a_row_that_cannot_fit_alone_is_refused_before_any_work(tiny):

@@ -1,8 +1,9 @@
 """The CUDA path, for the day a GPU is lent (every test skips without CUDA): logit parity with
 transformers on the GPU for every family in float32 and bfloat16, the KV-cache decode, the sampler
 compiled against eager, a LoRA sampler under CUDA graphs, CUDA graphs of compiled blocks,
-FlexAttention's decode against the gathered one, and train.py under torchrun with NCCL (DDP, one rank) with an exact resume.
-`recipes/gpu-check.sh` runs these in its tests, flex, nccl and compiled parts."""
+FlexAttention's decode against the gathered one, and train.py under torchrun with NCCL (DDP, one
+rank) with an exact resume. `recipes/gpu-check.sh` runs these in its tests, flex, blocks, nccl
+and compiled parts."""
 
 import pytest
 import torch
@@ -155,17 +156,22 @@ def test_cuda_graphs_with_a_lora_sampler(checkpoints, monkeypatch):
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
 def test_cuda_graphs_with_compiled_blocks_equal_eager(checkpoints, family):
     """compile=True with cuda_graphs=True: each block compiled once for every layer
-    (cuda_graphs.CompiledBlocks), its fused kernels (the cache written in place among them)
-    captured per bucket, draws eager's samples in float32 as rows stop and buckets change."""
+    (cuda_graphs.CompiledBlocks), its fused kernels captured per bucket, draws eager's samples
+    in float32 as rows stop and buckets change; and writes the cache in place: in a pool of
+    1 GiB, a copy of a layer's keys and values would raise the peak by 1/L GiB."""
+    from torch._dynamo.utils import counters
     ours = load_model(checkpoints(family), dtype=torch.float32, device=CUDA)[0]
     prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (4, 9, 13, 30)]
     kw = dict(num_samples=5, max_new_tokens=60, temperature=1.0, stop_token_ids=[3, 7, 11],
-              seed=7, cuda_graphs=True)
-    stats = {}
-    eager = [c.tokens for c in generate(ours, prompts, compile=False, **kw)]
-    compiled = [c.tokens for c in generate(ours, prompts, compile=True, stats=stats, **kw)]
-    assert sum(a == b for a, b in zip(eager, compiled)) >= len(eager) - 1
-    assert stats["graph_buckets"] > 1 and stats["capture_seconds"] > 0
+              seed=7, cuda_graphs=True, kv_budget=1.0)
+    runs, peaks, stats, graphs = [], [], {}, counters["stats"]["unique_graphs"]
+    for compiled in (False, True):
+        torch.cuda.reset_peak_memory_stats()
+        runs.append([c.tokens for c in generate(ours, prompts, compile=compiled, stats=stats, **kw)])
+        peaks.append(torch.cuda.max_memory_allocated())
+    assert sum(a == b for a, b in zip(*runs)) >= len(runs[0]) - 1
+    assert stats["graph_buckets"] > 1 and counters["stats"]["unique_graphs"] > graphs
+    assert peaks[1] - peaks[0] < 2**30 / ours.config.num_layers / 4, peaks
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2"])
