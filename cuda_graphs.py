@@ -112,19 +112,29 @@ def compiled_block():
     return torch.compile(Block.forward, fullgraph=True, dynamic=True)
 
 
+@functools.cache
+def compiled_sampling():
+    """rollout's draw of a step's tokens from its logits through torch.compile, once per process:
+    ~60 operations, each a pass over a (rows, vocabulary) tensor or its chunks (at 256 rows and
+    Qwen2.5's 152k tokens, 156 MB in float32 each), fused into a few."""
+    from rollout import sample_tokens, step_uniforms  # (rollout imports this file)
+
+    def draw(logits, keys, draws, temperature, top_p, top_k):
+        return sample_tokens(logits, step_uniforms(keys, draws), temperature, top_p, top_k)
+    return torch.compile(draw, fullgraph=True, dynamic=True)
+
+
 class CompiledBlocks:
-    """rollout.decode_step with each block's forward compiled: generate(..., compile=True,
-    cuda_graphs=True). Compiling the whole step unrolls every layer into one graph (its first
-    call outlasted 4 minutes on an H100, MEASUREMENTS.md "On a GPU"); a block compiles once and
-    every layer reuses the graph, as nothing in it names its layer: each layer is handed the
-    cache of its own keys and values alone (`one_layer`) as layer 0. The blocks' forwards are
-    swapped for the step only (the prefill stays eager). Under CUDA graphs the compiles run in
-    a bucket's warm-up steps, so a call's capture_seconds hold them."""
+    """rollout.decode_step with each block's forward compiled, and its sampling: generate(...,
+    compile=True, cuda_graphs=True). Compiling the whole step unrolls every layer into one graph
+    (its first call outlasted 4 minutes on an H100, MEASUREMENTS.md "On a GPU"); a block compiles
+    once and every layer reuses the graph, as nothing in it names its layer: each layer is handed
+    the cache of its own keys and values alone (`one_layer`) as layer 0. The blocks' forwards are
+    swapped for the step only (the prefill stays eager). Under CUDA graphs the compiles run in a
+    bucket's warm-up steps, so a call's capture_seconds hold them."""
 
-    def __init__(self, decode_step):
-        self.decode_step = decode_step
-
-    def __call__(self, model, fed, start, tables, cache, *rest):
+    def __call__(self, model, fed, start, tables, cache, keys, draws, temperature, top_p, top_k,
+                 routing=None):
         # FlexAttention's cache and an MoE's routing read the layer's index, which is 0 here
         if type(cache) is not PagedKVCache or model.config.num_experts:
             raise ValueError(f"CompiledBlocks: each block runs as layer 0 on a cache of its own "
@@ -134,10 +144,11 @@ class CompiledBlocks:
         try:
             for layer in model.layers:
                 layer.forward = functools.partial(self.compiled_forward, layer)
-            return self.decode_step(model, fed, start, tables, cache, *rest)
+            logits = model.paged(fed[:, None], start, torch.ones_like(start), tables, cache)
         finally:
             for layer in model.layers:
                 vars(layer).pop("forward", None)  # the class's eager forward again
+        return compiled_sampling()(logits, keys, draws, temperature, top_p, top_k)
 
     @staticmethod
     def compiled_forward(block, x, cos, sin, mask, cache=None, layer=0, routing=None):

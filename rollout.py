@@ -290,11 +290,11 @@ def queue_more(engine, more, max_new_tokens, sampling, check_every):
 def step_function(model, compile, record, cuda_graphs=False):
     """The decode step: eager (compile None or False), compiled whole (True; on an H100 its first
     call outlasted 4 minutes: MEASUREMENTS.md "On a GPU"), or with `cuda_graphs` replayed per bucket
-    (cuda_graphs.py; with compile, its blocks compiled); eager on an MoE (experts read the host)."""
+    (cuda_graphs.py; with compile, its blocks and draw compiled); eager on an MoE (experts read)."""
     if model.config.num_experts or record:
         return decode_step
     if cuda_graphs:
-        step = CompiledBlocks(decode_step) if compile else decode_step
+        step = CompiledBlocks() if compile else decode_step
         return BucketedStep(step, capture=model.device.type == "cuda")
     return compiled_step(model.device) if compile else decode_step
 

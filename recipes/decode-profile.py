@@ -12,8 +12,9 @@ CPU or CUDA: the wall milliseconds of a step, eager. On CUDA also: replayed as a
 (cuda_graphs.BucketedStep), and what capturing that graph took (a `generate` call captures one
 for each bucket of rows and blocks its steps come in); the kernels' own time a step by kind
 (torch.profiler), against which the gaps between them show. --fused: then the same with each
-block compiled (cuda_graphs.CompiledBlocks: one graph every layer reuses, what
-`generate(compile=True, cuda_graphs=True)` replays): whether fewer, fused kernels pay. The
+block and the draw compiled (cuda_graphs.CompiledBlocks: one graph every layer reuses, one for
+the draw; what `generate(compile=True, cuda_graphs=True)` replays): whether fewer, fused kernels
+pay. The
 model is random, in bf16; each row has --context positions cached in blocks of its own and feeds
 one token; temperature 1.
 """
@@ -137,7 +138,7 @@ def main():
                         "that a CUDA graph does the eager step's work)")
     parser.add_argument("--steps", type=int, default=20, help="steps timed (after 3 more)")
     parser.add_argument("--fused", action="store_true", help="then time it again with each "
-                        "block compiled (needs a C++ compiler on a CPU)")
+                        "block and the draw compiled (needs a C++ compiler on a CPU)")
     args = parser.parse_args()
     for flag, value in (("--rows", args.rows), ("--context", args.context), ("--steps", args.steps)):
         if value < 1:
@@ -163,10 +164,10 @@ def main():
             return
         report_times("eager", decode_step, model, inputs, args.steps, device)
         if args.fused:
-            report_times("blocks compiled", CompiledBlocks(decode_step), model, inputs,
+            report_times("blocks and draw compiled", CompiledBlocks(), model, inputs,
                          args.steps, device)
             from torch._dynamo.utils import counters
-            print(f"  blocks compiled: {counters['stats']['unique_graphs']} graphs compiled")
+            print(f"  blocks and draw compiled: {counters['stats']['unique_graphs']} graphs compiled")
 
 
 def report_times(label, step, model, inputs, steps, device):

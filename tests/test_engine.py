@@ -450,6 +450,9 @@ def test_compiled_blocks_make_one_graph_for_every_layer(tiny, family, monkeypatc
     compiled = torch.compile(cuda_graphs.Block.forward, backend=counter, dynamic=True)
     monkeypatch.setattr(cuda_graphs, "compiled_block", lambda: lambda *a: calls.append(1) or
                         compiled(*a))
+    from rollout import sample_tokens, step_uniforms  # the draw eager here (compiled: below)
+    monkeypatch.setattr(cuda_graphs, "compiled_sampling", lambda: lambda logits, keys, draws, *s:
+                        sample_tokens(logits, step_uniforms(keys, draws), *s))
     model = tiny(family)
     prompts = prompts_of(model)[:2]  # 2 prompts x 3 rows: one row bucket of 8, then fewer
     generate(model, prompts, num_samples=3, max_new_tokens=2, compile=True,
@@ -469,26 +472,26 @@ def test_compiled_blocks_refuse_what_reads_the_layer_index(tiny):
     and CompiledBlocks refuses an MoE (rollout.step_function keeps one eager)."""
     from cuda_graphs import CompiledBlocks
     from model import PagedKVCache
-    from rollout import decode_step
     model = tiny("llama3")
     with pytest.raises(ValueError, match="flex_attention with compile and cuda_graphs: one or"):
         generate(model, prompts_of(model), compile=True, cuda_graphs=True, flex_attention=True,
                  max_new_tokens=4)
     moe = tiny("qwen3_moe")
     with pytest.raises(ValueError, match="PagedKVCache and an MoE cannot"):
-        CompiledBlocks(decode_step)(moe, None, None, None,
-                                    PagedKVCache(moe.config, 4, 16, torch.float32, "cpu"))
+        cache = PagedKVCache(moe.config, 4, 16, torch.float32, "cpu")
+        CompiledBlocks()(moe, None, None, None, cache, None, None, 1.0, 1.0, 0)
 
 
 @pytest.mark.slow
 def test_compiled_blocks_under_inductor_keep_every_sample(tiny):
-    """The same with torch.compile's own backend, whose kernels write the cache in place: the
-    samples of the eager decode, greedy and drawn, as rows stop and buckets change."""
+    """The same with torch.compile's own backend, whose kernels write the cache in place, and the
+    step's draw compiled too: the samples of the eager decode, greedy and drawn (top-p and top-k
+    too), as rows stop and buckets change."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()  # compiled here, not left to an entry of another test
     model, before = tiny("gemma3"), counters["stats"]["unique_graphs"]
     prompts = prompts_of(model)
-    for kw in SAMPLING[:2]:
+    for kw in SAMPLING:
         kw = dict(num_samples=3, max_new_tokens=30, **kw)
         assert_same(generate(model, prompts, compile=True, cuda_graphs=True, **kw),
                     generate(model, prompts, compile=False, **kw))

@@ -194,16 +194,17 @@ def test_decode_profile_counts_a_steps_operations_and_refuses_bad_input():
 @pytest.mark.slow
 def test_decode_profile_times_the_step_with_its_blocks_compiled():
     """decode-profile.py --fused (the GPU check's profile part passes it on CUDA): the step timed
-    again with each block compiled (cuda_graphs.CompiledBlocks), one graph for every layer."""
+    again with each block and the draw compiled (cuda_graphs.CompiledBlocks): one graph for
+    every layer, one for the draw."""
     proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "decode-profile.py"),
                            "--device", "cpu", "--shape", "tiny", "--rows", "2", "--context", "9",
                            "--steps", "1", "--fused"], capture_output=True, text=True,
                           env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
-    assert lines[3].startswith("  eager: ") and lines[4].startswith("  blocks compiled: ")
+    assert lines[3].startswith("  eager: ") and lines[4].startswith("  blocks and draw compiled: ")
     assert lines[4].endswith(" ms a step")
-    assert int(lines[5].split()[2]) == 1  # one graph that both layers reuse, not one a layer
+    assert int(lines[5].split()[4]) == 2  # one that both layers reuse (not one a layer), the draw
 
 
 def test_a_run_stopped_before_its_first_step_is_no_zero_in_the_means():
