@@ -56,16 +56,16 @@ import time
 
 import torch
 
-import checkpoints
-import config
-import countdown
+from run import checkpoints
+from run import config
+from tasks import countdown
 import data
-import episodes
-import launch
+from tasks import episodes
+from run import launch
 import rewards
 import rollout
-from evaluation import DEFAULT_ROWS, evaluate
-from speed import keep_freed_memory, pack_linears
+from run.evaluation import DEFAULT_ROWS, evaluate
+from engine.speed import keep_freed_memory, pack_linears
 
 BUNDLED_NAME = "bundled:SmolLM2-135M-Instruct"
 

@@ -38,8 +38,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from chunked_logprobs import chunked_logprobs
-from moe import MoE, Routing
+from engine.chunked_logprobs import chunked_logprobs
+from variants.moe import MoE, Routing
 
 
 # ----------------------------------------------------------------------------- configuration

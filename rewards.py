@@ -14,7 +14,7 @@ import math
 import re
 import sys
 
-from verify import ANSWER_LINE_RE, MAX_SCAN_CHARS, answer_tag, answers_equal, clean_text, extract_answer
+from tasks.verify import ANSWER_LINE_RE, MAX_SCAN_CHARS, answer_tag, answers_equal, clean_text, extract_answer
 
 __all__ = ["overlong_penalty", "perplexity_penalty", "shaping", "format_reward", "xml_terms",
            "math_reward", "FORMAT_STYLES", "user_score", "task_reward", "judged_right"]

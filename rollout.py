@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from cuda_graphs import BucketedStep, CompiledBlocks
-from engine import Engine, pool_blocks, refuse_unfit, tokens_so_far
+from engine.cuda_graphs import BucketedStep, CompiledBlocks
+from engine.paged import Engine, pool_blocks, refuse_unfit, tokens_so_far
 from model import Transformer
-from speed import sampling_products
+from engine.speed import sampling_products
 
 
 @dataclass

@@ -40,25 +40,25 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
-import config
+from run import config
 import dapo
 import data
-import distributed
-import episodes
-import launch
+from run import distributed
+from tasks import episodes
+from run import launch
 import losses
-import memory_plan
-import metrics
-import moe
-import objectives
-import reference
-import refills
+from run import memory_plan
+from run import metrics
+from variants import moe
+from variants import objectives
+from variants import reference
+from variants import refills
 import rewards
 import rollout
-import token_choice
-from distributed import add, all_reduce, gather, reduce_metrics, top
+from variants import token_choice
+from run.distributed import add, all_reduce, gather, reduce_metrics, top
 from model import completion_logprobs, token_logprobs
-from moe import Routing
+from variants.moe import Routing
 
 # ---- the batch a step carries -------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ arithmetic task's, with its operands.
 
 import re
 
-import verify
+from tasks import verify
 
 CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
 BONUS = 0.25  # each step: a call that evaluates, a call with the problem's operands

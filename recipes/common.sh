@@ -67,8 +67,8 @@ run_study() {
         echo "failed (see DIR.log; run the recipe again to resume): ${failed[*]}" >&2
         return 1
     fi
-    echo "+ $python runs.py ${dirs[*]}"
-    [ -n "${DRY_RUN:-}" ] || $python runs.py "${dirs[@]}"
+    echo "+ $python run/runs.py ${dirs[*]}"
+    [ -n "${DRY_RUN:-}" ] || $python run/runs.py "${dirs[@]}"
 }
 
 # Until fewer than $1 runs are running: run_study's `running` (pid -> run directory) loses each run

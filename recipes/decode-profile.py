@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [HERE, os.path.join(HERE, "recipes")]
 from importlib import import_module  # noqa: E402
 
-from cuda_graphs import BucketedStep, CompiledBlocks, bucket  # noqa: E402
+from engine.cuda_graphs import BucketedStep, CompiledBlocks, bucket  # noqa: E402
 from model import ModelConfig, PagedKVCache, Transformer  # noqa: E402
 from rollout import decode_step  # noqa: E402
 

@@ -70,8 +70,8 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args()
-    if not os.path.isfile(os.path.join(args.before, "engine.py")):
-        parser.error(f"{args.before}: no engine.py there; give a checkout of this repository")
+    if not os.path.isfile(os.path.join(args.before, "engine", "paged.py")):
+        parser.error(f"{args.before}: no engine/paged.py there; give a checkout (of this layout) of this repository")
     if args.rows < 16 or args.rows % 16:
         parser.error(f"--rows: a multiple of 16, got {args.rows}")
     for flag, value, least in (("--prompt", args.prompt, 1), ("--new-tokens", args.new_tokens, 2),

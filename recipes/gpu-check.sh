@@ -6,15 +6,15 @@
 #   tests     tests/test_gpu.py but NCCL and compiling: every family against transformers, the
 #             paged decode against full forwards, CUDA graphs against eager, the GPU's samples
 #             against the CPU's; and test_rollout's check that a decode step never waits on the host
-#   sampler   bench.py sampler, bf16: ROWS rows, eager and under CUDA graphs, against transformers'
+#   sampler   recipes/bench.py sampler, bf16: ROWS rows, eager and under CUDA graphs, against transformers'
 #             generate, the matmul-only bound and the GPU's memory-bandwidth bound (measured here)
-#   engine    bench.py engine, bf16: RL's long tail (ROWS rows, up to ENGINE_TOKENS new tokens, most
+#   engine    recipes/bench.py engine, bf16: RL's long tail (ROWS rows, up to ENGINE_TOKENS new tokens, most
 #             rows short, 5% at the limit), eager and under CUDA graphs, against transformers and
 #             the memory-bandwidth bound
-#   flex      decode attention through FlexAttention (flex_decode.py): its tests against the
+#   flex      decode attention through FlexAttention (engine/flex_decode.py): its tests against the
 #             gathered decode, then the long tail: gathered under CUDA graphs against FlexAttention
 #             under CUDA graphs and eager
-#   update    bench.py update, bf16 autocast, eager: forward + backward + AdamW against transformers
+#   update    recipes/bench.py update, bf16 autocast, eager: forward + backward + AdamW against transformers
 #   train     train.py --bench under torchrun --nproc_per_node 1, 2 steps of TRAIN_PROMPTS x
 #             TRAIN_SAMPLES x TRAIN_TOKENS (64 x 8 x 1,024; a random model's replies run to the
 #             limit): the memory plan, each step's seconds (rollout / scoring / update) and peaks
@@ -140,7 +140,7 @@ sampler_at() {
     local paths=$1 r prompts
     for r in $rows; do
         prompts=$((r < 16 ? r : 16))
-        $python bench.py sampler --device "$device" --model "$model_dir" --dtypes bfloat16 \
+        $python recipes/bench.py sampler --device "$device" --model "$model_dir" --dtypes bfloat16 \
             --paths "$paths" --prompts $prompts --samples $((r / prompts)) \
             --new-tokens "$new_tokens" --repeats "$repeats" || return
     done
@@ -150,7 +150,7 @@ engine_at() {
     local paths=$1 r prompts
     for r in $rows; do
         prompts=$((r < 16 ? r : 16))
-        $python bench.py engine --device "$device" --model "$model_dir" --prompts $prompts \
+        $python recipes/bench.py engine --device "$device" --model "$model_dir" --prompts $prompts \
             --samples $((r / prompts)) --new-tokens "${ENGINE_TOKENS:-512}" --repeats 1 \
             --paths "$paths" || return
     done
@@ -167,7 +167,7 @@ part flex 240 "$tests|$engine" bash -c '$python -m pytest -p no:cacheprovider -v
     -k "flex and not compiled" || exit
     [ "$device" = cuda ] || exit 0  # (a CPU times the engine in the engine part)
     engine_at ours-graphs,ours-flex-graphs,ours-flex'
-part update 60 "$figures" $python bench.py update --device "$device" --model "$model_dir" \
+part update 60 "$figures" $python recipes/bench.py update --device "$device" --model "$model_dir" \
     --dtypes bfloat16 --paths ours,hf --repeats "$repeats"
 # 2 training steps at a real size; --compile off: the eager update, no compile time in the budget
 part train 300 "memory plan|^  [a-z]|^step |Error|error:|fit" $python -m torch.distributed.run \

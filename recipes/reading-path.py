@@ -19,7 +19,7 @@ from collections import defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 PATH_FILES = ("train.py", "model.py", "rollout.py", "rewards.py", "losses.py", "dapo.py",
-              "refills.py")
+              "variants/refills.py")
 
 
 def definitions(path):

@@ -6,8 +6,8 @@ and whether the two draw the same tokens.
     python recipes/sampler-ab.py /tmp/before [--prompts 8 --samples 8 --new-tokens 64 --stops]
         [--dtype float32] [--alone]
 
-Each checkout's model.py, moe.py, engine.py, rollout.py, checkpoints.py and what they import
-(OWN) are imported on their own (speed.py once: its op registers once per process; its
+Each checkout's model.py, rollout.py, engine/, run/checkpoints.py and what they import (OWN)
+are imported on their own (engine/speed.py once: its op registers once per process; its
 pack_linears is given each checkout's classes), with freed memory kept as train.py keeps it; the
 runs alternate, each first in every other round, after a warm-up call of each; the ratio of the
 two is printed round by round. --alone: then each checkout draws each prompt of the last round
@@ -25,21 +25,26 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OWN = ("model", "moe", "engine", "rollout", "chunked_logprobs", "cuda_graphs", "flex_decode",
-       "checkpoints", "lora", "quant")  # imported once per checkout
+OWN = ("model", "rollout", "data", "engine", "variants", "run", "tasks")  # per checkout
+SHARED = ("engine.speed",)  # imported once: its op registers once per process
+WHERE = {"engine": "engine.paged", "checkpoints": "run.checkpoints"}  # short names of the modules
+
+
+def own(name):
+    return name not in SHARED and name.split(".")[0] in OWN
 
 
 def import_checkout(path, names=("rollout", "checkpoints", "model")):
-    """-> {name: module} of the checkout at path, for `names` of OWN, without disturbing
-    sys.modules."""
-    saved = {name: sys.modules.pop(name) for name in OWN if name in sys.modules}
+    """-> {name: module} of the checkout at path, for `names` (short: "engine" is engine/paged.py),
+    without disturbing sys.modules."""
+    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if own(name)}
     sys.path.insert(0, path)
     try:
-        return {name: importlib.import_module(name) for name in names}
+        return {name: importlib.import_module(WHERE.get(name, name)) for name in names}
     finally:
         sys.path.remove(path)
-        for name in OWN:
-            sys.modules.pop(name, None)
+        for name in [name for name in sys.modules if own(name)]:
+            sys.modules.pop(name)
         sys.modules.update(saved)
 
 
@@ -47,7 +52,7 @@ def pack_checkout(model, classes):
     """speed.pack_linears on a checkout's model: it finds the attention and MLP projections by
     their classes, and a checkout's classes are its own (without this, only the head is packed).
     A LoRA base would be found by this checkout's LoRALinear: the bundled model has none."""
-    import speed
+    from engine import speed
     saved = speed.Attention, speed.MLP
     speed.Attention, speed.MLP = classes.Attention, classes.MLP
     try:
@@ -58,7 +63,7 @@ def pack_checkout(model, classes):
 
 def load_checkout(path, dtype, stops):
     """-> (generate, the bundled model packed, stop ids, tokenizer) of the checkout at path."""
-    from speed import PackedLinear
+    from engine.speed import PackedLinear
     modules = import_checkout(path)
     model, tokenizer = modules["checkpoints"].load_model(None, dtype=dtype, device="cpu")
     model = pack_checkout(model, modules["model"])
@@ -84,12 +89,12 @@ def main():
                         help="the sampler's weights (default: train.py's choice on this CPU)")
     parser.add_argument("--alone", action="store_true", help="also draw each prompt alone")
     args = parser.parse_args()
-    if not os.path.isfile(os.path.join(args.before, "rollout.py")):
-        parser.error(f"{args.before}: no rollout.py there; give a checkout of this repository")
+    if not os.path.isfile(os.path.join(args.before, "engine", "paged.py")):
+        parser.error(f"{args.before}: no engine/paged.py there; give a checkout of this repository")
     sys.path.insert(0, HERE)
     import bench  # noqa: E402 (this checkout's; speed.py comes with it, once)
-    from checkpoints import cpu_has_bf16
-    from speed import keep_freed_memory
+    from run.checkpoints import cpu_has_bf16
+    from engine.speed import keep_freed_memory
     keep_freed_memory()  # as train.py and bench.py do: freed blocks are not faulted in again
     dtype = getattr(torch, args.dtype or ("bfloat16" if cpu_has_bf16() else "float32"))
     paths = {name: load_checkout(path, dtype, args.stops)

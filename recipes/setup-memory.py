@@ -10,8 +10,8 @@ import resource
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import config  # noqa: E402
-import launch  # noqa: E402
+from run import config  # noqa: E402
+from run import launch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-import verify  # noqa: E402
+from tasks import verify  # noqa: E402
 from answer_cases import GROUPS  # noqa: E402
 
 

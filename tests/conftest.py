@@ -20,7 +20,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "recipes")]  # bench.py and demo.py live in recipes/
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_mm", "gemma2",
             "qwen3_moe", "mixtral")
@@ -160,7 +160,7 @@ def hf_model(directory, **kwargs):
 
 
 # torch.compile on a CPU writes C++: the tests of compiled blocks skip where it cannot.
-needs_cpp_compiler = pytest.mark.skipif(not __import__("config").cpp_compiler_found(),
+needs_cpp_compiler = pytest.mark.skipif(not __import__("run.config").config.cpp_compiler_found(),
                                         reason="torch.compile on a CPU needs a C++ compiler")
 
 
@@ -195,7 +195,7 @@ def tiny_ckpt(tmp_path_factory):
 def smollm2():
     """The bundled SmolLM2-135M-Instruct, (model, tokenizer) in float32 on CPU; loaded once (the
     first load of a fresh machine converts the GGUF into the cache, ~25 s)."""
-    from checkpoints import load_model
+    from run.checkpoints import load_model
     model, tokenizer = load_model(None, dtype=torch.float32, device="cpu")
     return model, tokenizer
 
@@ -204,7 +204,7 @@ def smollm2():
 def smollm2_dir(smollm2, tmp_path_factory):
     """A checkpoint directory of the bundled model's weights that transformers can load: the
     converted cache directory, or (if its naming changes) a fresh save_model copy."""
-    from checkpoints import converted_dir, save_model
+    from run.checkpoints import converted_dir, save_model
     path = converted_dir()
     if os.path.exists(os.path.join(path, "config.json")):
         return path

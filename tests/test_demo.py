@@ -68,7 +68,7 @@ def events(url):
 
 
 def test_an_answer_streams_token_by_token_then_its_verdict(models):
-    import checkpoints
+    from run import checkpoints
     model, tokenizer = checkpoints.load_model(models[0], dtype=torch.float32, device="cpu")
     answerer = demo.Answerer("tiny", model.eval(), tokenizer, "none")
     answerer.stop_ids = []  # never stops early: every step of the budget is streamed
@@ -94,7 +94,7 @@ def test_bad_flags_name_the_flag(tmp_path):
     for argv, said in [(["--model", str(tmp_path / "nowhere"), "--base", str(tmp_path)], "--model"),
                        (["--model", "x", "--port", "70000"], "--port"),
                        (["--model", "x", "--data", "memory"], "--data")]:
-        proc = subprocess.run([sys.executable, str(ROOT / "demo.py"), *argv], cwd=ROOT,
+        proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "demo.py"), *argv], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
@@ -124,7 +124,7 @@ def chromium():
 def page(models):
     """demo.py serving the two tiny models, as a user starts it: -> its address."""
     trained, base = models
-    proc = subprocess.Popen([sys.executable, str(ROOT / "demo.py"), "--model", trained, "--base", base,
+    proc = subprocess.Popen([sys.executable, str(ROOT / "recipes" / "demo.py"), "--model", trained, "--base", base,
                              "--port", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     line = proc.stdout.readline()  # "serving http://127.0.0.1:PORT/ (Ctrl-C stops)"
@@ -234,7 +234,7 @@ def test_model_text_is_shown_as_text_never_as_markup():
 @pytest.mark.slow
 def test_an_address_it_cannot_listen_on_is_one_line(models):
     trained, base = models
-    proc = subprocess.run([sys.executable, str(ROOT / "demo.py"), "--model", trained, "--base", base,
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "demo.py"), "--model", trained, "--base", base,
                            "--host", "no-such-host.invalid"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "argument --host/--port: cannot listen on no-such-host.invalid" \

@@ -105,9 +105,9 @@ def test_kept_rows_equal_a_gather_at_every_step(tiny, family, monkeypatch):
     that stop, rows that join mid-decode (a row cap), one-position blocks (the tables widen at
     every step), soft caps and sliding windows. It gathers again only when the rows change or
     their tables widen, and is not taken under a budget."""
-    import engine
+    from engine import paged as engine
     from model import PagedKVCache
-    from speed import KeptRowsKVCache
+    from engine.speed import KeptRowsKVCache
     caches = []
 
     class Recorded(KeptRowsKVCache):
@@ -146,7 +146,7 @@ def test_flex_attention_reads_the_pool_as_the_gather_does(tiny, family, monkeypa
     Gemma 3's local layers, Gemma 2's soft cap, MoE routing), with rows that stop, a budget that forces waits and preemptions
     (stale keys left in blocks that change hands), one-position blocks, and the steps padded to
     buckets of rows and blocks as CUDA graphs replay them (padding rows see nothing)."""
-    import flex_decode
+    from engine import flex_decode
     calls = []
     monkeypatch.setattr(flex_decode, "flex_attention",
                         lambda *args, **kwargs: calls.append(1) or flex_attention(*args, **kwargs))
@@ -186,7 +186,7 @@ def test_flex_block_mask_by_hand():
     (stale keys past its position 1) and sees 8, 9; row 2 pads a bucket (block 0 at position 0)
     and sees nothing. With a window of 2, row 0 sees positions 4 and 5 only, and visits only
     their block, 1."""
-    from flex_decode import FlexPagedKVCache
+    from engine.flex_decode import FlexPagedKVCache
     from model import ModelConfig
     cfg = ModelConfig("llama", 32, 8, 16, 1, 2, 1, 4, 1e-5, 1e4, None, 64, False, False, False,
                       sliding_window=2, layer_types=("sliding",))
@@ -213,7 +213,7 @@ def test_flex_lists_every_block_a_row_sees_and_no_more(block_size):
     from the list). For random rows of a pool (prompt blocks shared at one place, each row's own
     after them, tables padded to a bucket), positions and windows: the first `count` listed blocks
     are exactly the blocks in which the mask_mod sees a key."""
-    from flex_decode import FlexPagedKVCache
+    from engine.flex_decode import FlexPagedKVCache
     from model import ModelConfig
     generator = torch.Generator().manual_seed(block_size)
     for window in (None, 1, 2, 5, 9):
@@ -242,7 +242,7 @@ def test_flex_lists_every_block_a_row_sees_and_no_more(block_size):
 def test_flex_masks_follow_each_forward(tiny):
     """Decode forwards through one tables tensor at new positions, as a CUDA graph's replays feed
     its static inputs: each forward attends as the gathered path does (its own BlockMask)."""
-    from flex_decode import FlexPagedKVCache
+    from engine.flex_decode import FlexPagedKVCache
     from model import PagedKVCache
     model = tiny("mistral")
     caches = [kind(model.config, 6, 4, torch.float32, "cpu") for kind in (FlexPagedKVCache,
@@ -295,8 +295,8 @@ def test_on_cuda_the_pool_leaves_the_decode_steps_memory_free(tiny, monkeypatch)
     device: only torch.cuda.mem_get_info is read.)"""
     import dataclasses
     import types
-    import engine
-    import flex_decode
+    from engine import paged as engine
+    from engine import flex_decode
     from model import PagedKVCache
     cfg = tiny("llama3").config
     stand_in = types.SimpleNamespace(config=cfg, dtype=torch.bfloat16, device=torch.device("cuda"))
@@ -359,7 +359,7 @@ def test_host_tables_follow_every_change(tiny, monkeypatch, block_size, blocks):
     write of a shared partial block, preemptions and recomputation, and later, longer prompts
     added as groups end (the host tables widen). And a block is at one place in every table that
     holds it, which flex_decode's map of the pool counts on."""
-    import engine
+    from engine import paged as engine
     from model import PagedKVCache
     model = tiny("llama3")
     widths, copies = [], []
@@ -404,7 +404,7 @@ def test_decode_padded_to_buckets_keeps_every_sample(tiny, family, monkeypatch):
     captured graphs replay it (padding rows through the scratch block), gives the same samples;
     rows stop at their own lengths, so the row count crosses buckets."""
     import rollout
-    from cuda_graphs import bucket, pad_inputs
+    from engine.cuda_graphs import bucket, pad_inputs
     assert [bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
     fed, tables = torch.tensor([5, 6, 7]), torch.tensor([[1, 2], [3, 0], [4, 5]])
     padded = pad_inputs(fed, fed, tables, fed, fed, 4, 4)
@@ -443,7 +443,7 @@ def test_compiled_blocks_make_one_graph_for_every_layer(tiny, family, monkeypatc
     (Gemma 3's 3 layers: 2 kinds of mask and rotation; Llama 3's 3), with no graph break; the
     samples do not change. Counted with torch.compile's frame counter as the backend (the graph
     runs as traced); test_compiled_blocks_under_inductor_keep_every_sample compiles it."""
-    import cuda_graphs
+    from engine import cuda_graphs
     from torch._dynamo.testing import CompileCounter
     torch._dynamo.reset()  # no entries left on Block.forward by other tests in this process
     counter, calls = CompileCounter(), []
@@ -470,7 +470,7 @@ def test_compiled_blocks_refuse_what_reads_the_layer_index(tiny):
     """FlexAttention's cache and an MoE's routing read a layer's index, which a compiled block
     does not see: generate refuses flex_attention with compile and cuda_graphs before any work,
     and CompiledBlocks refuses an MoE (rollout.step_function keeps one eager)."""
-    from cuda_graphs import CompiledBlocks
+    from engine.cuda_graphs import CompiledBlocks
     from model import PagedKVCache
     model = tiny("llama3")
     with pytest.raises(ValueError, match="flex_attention with compile and cuda_graphs: one or"):
@@ -523,7 +523,7 @@ def test_pad_rows_by_hand():
     """engine.pad_rows: each list in its own row, in order, right-padded with 0 (an empty list is
     a row of padding); prefill chunks and their tables go through it, and the decoding rows'
     tables are checked against it (test_host_tables_follow_every_change)."""
-    from engine import pad_rows
+    from engine.paged import pad_rows
     got = pad_rows([[3, 1, 4], [], [15], [9, 2]])
     assert got.dtype == torch.long
     assert got.tolist() == [[3, 1, 4], [0, 0, 0], [15, 0, 0], [9, 2, 0]]

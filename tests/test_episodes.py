@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import episodes  # noqa: E402
+from tasks import episodes  # noqa: E402
 from rollout import Completion  # noqa: E402
 
 
@@ -257,7 +257,7 @@ def test_memory_run_on_two_ranks_equals_one_process(tiny_long, tmp_path):
 def test_where_episodes_do_not_fit_the_answer_is_clear(capsys):
     """DPO pairs single completions and eval.py scores single turns: both refuse the memory
     task, naming why; a held-out split too small for --eval-limit names the spec."""
-    import config
+    from run import config
     with pytest.raises(SystemExit):
         config.parse_config(["--preset", "dapo-memory", "--algo", "dpo"])
     assert "--algo dpo" in capsys.readouterr().err

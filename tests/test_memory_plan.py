@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conftest import FAMILIES, ROOT, tiny_config
-import checkpoints
-import config
-import memory_plan as mp
-from lora import add_lora
+from run import checkpoints
+from run import config
+from run import memory_plan as mp
+from variants.lora import add_lora
 from model import PagedKVCache, Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -203,7 +203,7 @@ def test_plan_only_exits_1_when_the_gpu_is_too_small(tmp_path, monkeypatch, caps
 def test_setup_refuses_a_run_its_gpu_cannot_hold_before_any_weight_loads(tmp_path, monkeypatch, capsys):
     """launch.setup on a 'GPU' of 1 KiB (the capacity stubbed; the CPU runs it): the plan printed,
     the run refused naming the phase, and the weights never read; --no-memory-check loads them."""
-    import launch
+    from run import launch
     from test_train import digit_checkpoint
     model = digit_checkpoint(tmp_path / "model")
     monkeypatch.setattr(mp, "device_capacity", lambda device: 2 ** 10)

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from conftest import EOS_ID, FAMILIES, PAD_ID, WINDOW, hf_model, random_ids, tiny_checkpoint
-import checkpoints
+from run import checkpoints
 import model as M
-import moe
-from checkpoints import load_model, save_model
-from lora import LoRALinear, add_lora, lora_disabled, merge_lora
+from variants import moe
+from run.checkpoints import load_model, save_model
+from variants.lora import LoRALinear, add_lora, lora_disabled, merge_lora
 from model import PagedKVCache, token_logprobs
-from moe import Routing
+from variants.moe import Routing
 
 TOL = 1e-4  # float32 logit parity (issue 2, acceptance 1)
 
@@ -534,7 +534,7 @@ def test_lora(tiny_ckpt, family):
 
 def test_cpu_bf16_detection_can_be_forced(monkeypatch):
     """DAPO_CPU_BF16 runs the other CPU kind's path on this one (the suite is run with both)."""
-    from checkpoints import cpu_has_bf16
+    from run.checkpoints import cpu_has_bf16
     monkeypatch.setenv("DAPO_CPU_BF16", "1")
     assert cpu_has_bf16() is True
     monkeypatch.setenv("DAPO_CPU_BF16", "0")

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import losses  # noqa: E402
-import objectives  # noqa: E402
-from objectives import dpo_loss, entropy, gkl_loss  # noqa: E402
+from variants import objectives  # noqa: E402
+from variants.objectives import dpo_loss, entropy, gkl_loss  # noqa: E402
 
 F64 = torch.float64
 
@@ -136,7 +136,7 @@ _MEMORY_SCRIPT = r"""
 import json, re, resource, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from objectives import gkl_loss
+from variants.objectives import gkl_loss
 
 
 def resident_mib(field):  # VmHWM: peak resident memory since the last reset; VmRSS: now

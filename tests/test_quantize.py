@@ -6,11 +6,11 @@ save_model merging into the dequantised weights, and the flags refused by name."
 import pytest
 import torch
 
-import quantize
+from variants import quantize
 from conftest import hf_model, random_ids
-from checkpoints import load_model, save_model
-from lora import add_lora
-from quantize import NF4, NF4Linear, dequantize, nf4_levels
+from run.checkpoints import load_model, save_model
+from variants.lora import add_lora
+from variants.quantize import NF4, NF4Linear, dequantize, nf4_levels
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,8 +88,8 @@ def test_weight_memory_is_about_a_quarter_of_bf16(tiny_ckpt):
 
 def test_lora_on_a_quantised_base_trains_only_the_adapters(tmp_path):
     """Two training steps: every adapter moved, nothing else (codes, maxima, norms, embeddings)."""
-    import config
-    import launch
+    from run import config
+    from run import launch
     import train
     from test_train import BASE, digit_checkpoint, digit_data
     args, _ = config.parse_config(["--model", digit_checkpoint(tmp_path / "m"), "--data",
@@ -129,7 +129,7 @@ def test_save_model_merges_into_the_dequantised_weights(tiny_ckpt, tmp_path):
     (["--quantize", "nf4", "--lora-rank", "4", "--fsdp"], "--quantize nf4 with --fsdp"),
 ])
 def test_bad_combinations_are_refused(extra, message, capsys):
-    import config
+    from run import config
     with pytest.raises(SystemExit):
         config.parse_config(["--model", "x"] + extra)
     assert message in capsys.readouterr().err

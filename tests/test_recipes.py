@@ -30,13 +30,13 @@ def recipe(name, tmp_path, **env):
 @pytest.mark.parametrize("name", sorted(RECIPES))
 @pytest.mark.parametrize("size", ["cpu", "gpu"])
 def test_every_command_of_a_recipe_parses(name, size, tmp_path):
-    import config
+    from run import config
     proc = recipe(name, tmp_path, SIZE=size, DRY_RUN="1")
     assert proc.returncode == 0, proc.stderr
     commands = [line[2:] for line in proc.stdout.splitlines() if line.startswith("+ ")]
     runs = [c for c in commands if "--preset" in c]
     assert len(runs) == 3 * RECIPES[name]  # every arm, three seeds
-    assert ("torchrun" in runs[0]) == (size == "gpu") and commands[-1].split()[1] == "runs.py"
+    assert ("torchrun" in runs[0]) == (size == "gpu") and commands[-1].split()[1] == "run/runs.py"
     for command in runs:
         argv = shlex.split(command)
         config.parse_config(argv[argv.index("train.py") + 1:])  # a bad flag exits here
@@ -115,7 +115,7 @@ def test_a_recipe_runs_end_to_end_at_a_tiny_size(name, size, tmp_path):
 def test_the_measurements_table_is_what_the_committed_logs_give(study):
     """The studies' logs are committed (assets/STUDY-cpu/): the table that `python runs.py`
     makes of them is MEASUREMENTS.md's, row for row."""
-    import runs
+    from run import runs
     run_dirs = sorted((ROOT / "assets" / f"{study}-cpu").glob("*-s?"))
     assert len(run_dirs) == 3 * RECIPES[f"{study}.sh"]
     table = runs.summary_table([runs.load_run(str(d)) for d in run_dirs]).splitlines()
@@ -148,7 +148,7 @@ def test_engine_host_times_both_checkouts_and_refuses_bad_input(tmp_path):
     assert lines[1].split()[0] == "before" and lines[2].split()[0] == "this"
     assert all(len(line.split("[")[1].split(",")) == 2 for line in lines[1:3])  # 2 rounds each
     assert "before / this, round by round: median " in lines[3]
-    for argv, message in (([str(tmp_path)], "no engine.py there"),
+    for argv, message in (([str(tmp_path)], "no engine/paged.py there"),
                           ([str(ROOT), "--rows", "20"], "--rows: a multiple of 16, got 20"),
                           ([str(ROOT), "--new-tokens", "1"], "--new-tokens: at least 2, got 1")):
         proc = subprocess.run(script + argv, capture_output=True, text=True)
@@ -210,7 +210,7 @@ def test_decode_profile_times_the_step_with_its_blocks_compiled():
 def test_a_run_stopped_before_its_first_step_is_no_zero_in_the_means():
     """runs.py's table skips a run with no step in every column, peak memory too: the mean is the
     other runs', not pulled towards 0 MiB."""
-    import runs
+    from run import runs
     step = {"step": 1, "tokens_per_second_rollout": 100.0, "tokens_per_second_update": 50.0,
             "peak_memory_mib": 900.0}
     done = {"label": "a", "eval": [{"step": 1, "pass@1": 0.5}], "metrics": [step]}
@@ -291,8 +291,8 @@ def test_sampler_ab_packs_every_projection_of_each_checkout(tiny_ckpt):
     import torch
 
     import model
-    import speed
-    from speed import PackedLinear
+    from engine import speed
+    from engine.speed import PackedLinear
     spec = importlib.util.spec_from_file_location("sampler_ab", ROOT / "recipes" / "sampler-ab.py")
     sampler_ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sampler_ab)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, random_ids
-from checkpoints import load_model
+from run.checkpoints import load_model
 from model import token_logprobs
 from rollout import (Completion, generate, inverse_cdf, sample_keys, sample_tokens,
                      step_uniforms)
@@ -442,7 +442,7 @@ def test_bench_flags_are_checked_before_any_work(flags, named):
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(root / "bench.py")] + flags,
+    proc = subprocess.run([sys.executable, str(root / "recipes" / "bench.py")] + flags,
                           capture_output=True, text=True, cwd=root, timeout=120)
     assert proc.returncode == 2 and named in proc.stderr and "Traceback" not in proc.stderr
 
@@ -455,7 +455,7 @@ def test_bench_refills_runs_and_checks_its_samples(smollm2):
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(root / "bench.py"), "refills", "--prompts", "2",
+    proc = subprocess.run([sys.executable, str(root / "recipes" / "bench.py"), "refills", "--prompts", "2",
                            "--samples", "2", "--new-tokens", "8", "--rounds", "3", "--repeats", "1",
                            "--threads", "1"], capture_output=True, text=True, cwd=root, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -495,7 +495,7 @@ def test_recorded_routing_is_what_a_fresh_forward_routes(tiny):
     equal those of one forward over prompt + completion; the last token's are -1 unless the
     row, stopped but not yet dropped, was fed it.
     Rows are left-padded and compacted as they stop, so the bookkeeping is exercised."""
-    from moe import Routing
+    from variants.moe import Routing
     model = tiny("qwen3_moe")
     prompts = tiny_prompts(model.config.vocab_size, lengths=(5, 12, 9))
     out = generate(model, prompts, num_samples=2, max_new_tokens=10, temperature=1.0,
@@ -552,7 +552,7 @@ def test_compiled_step_equals_eager(tiny, family, onednn, monkeypatch):
     cache's read length after its first change). With oneDNN's packed products
     (speed.pack_linears) the compiled step calls them too, as one opaque op."""
     import torch._dynamo
-    import speed as S
+    from engine import speed as S
     monkeypatch.setenv("DAPO_CPU_ONEDNN", onednn)
     S.onednn_dtypes.cache_clear()
     model = S.pack_linears(copy.deepcopy(tiny(family)))  # (the fixture's model stays plain)

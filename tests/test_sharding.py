@@ -69,7 +69,7 @@ def test_fsdp_two_ranks_equal_one_process(digits, tmp_path, variant):
 def test_fsdp_final_loads_in_transformers(digits, tmp_path):
     """final/ is one full checkpoint: transformers' model of it gives our model's logits."""
     from conftest import hf_model
-    from checkpoints import load_model
+    from run.checkpoints import load_model
     run_train(common_flags(*digits, "--steps", "1") + ["--fsdp", "--out", str(tmp_path / "run")],
               launcher=torchrun())
     final = str(tmp_path / "run" / "final")

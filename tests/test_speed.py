@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-import speed as S
-from checkpoints import load_model
+from engine import speed as S
+from run.checkpoints import load_model
 from conftest import ROOT, needs_cpp_compiler, random_ids
 from model import token_logprobs
 from test_model import TOL, _assert_same_grads, _grads, _padded_batch, loaded, max_diff  # noqa: F401 (a fixture)
@@ -26,8 +26,13 @@ IMPORTS = """
 import torch
 from torch.optim import optimizer
 hooks = len(optimizer._global_optimizer_post_hooks)
-import bench, checkpoints, dapo, data, demo, episodes, eval, launch, losses, model, objectives
-import rollout, speed, train
+import bench, dapo, data, demo, eval, losses, model
+from run import checkpoints
+from tasks import episodes
+from run import launch
+from variants import objectives
+import rollout, train
+from engine import speed
 assert len(optimizer._global_optimizer_post_hooks) == hooks, "an optimizer hook at import"
 assert not hasattr(torch.ops.dapo, "packed_linear"), "a library op at import"
 print("clean")
@@ -40,7 +45,7 @@ def test_nothing_is_registered_at_import():
     registers them, once, when it is called; model.py holds no CPU kernel machinery."""
     out = subprocess.run([sys.executable, "-c", IMPORTS], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split() == ["clean"], out.stderr
-    for name in ("model.py", "chunked_logprobs.py", "engine.py"):  # the model and what it reads
+    for name in ("model.py", "engine/chunked_logprobs.py", "engine/paged.py"):  # the model and what it reads
         source = (ROOT / name).read_text()
         assert not any(word in source for word in ("mkldnn", "mallopt", "register_optimizer",
                                                    "torch.library", "onednn")), name
@@ -162,8 +167,8 @@ def test_pack_linears_reaches_lora_bases_and_leaves_nf4_bases(loaded, onednn):
     """On a LoRA model (packed before add_lora, as launch.setup does, or after it) each adapter's
     frozen base is PackedLinear, the adapter itself not; an NF4 base (quantize.py) keeps its
     class. The sampler's products give the unpacked model's logits to fp32 rounding."""
-    from lora import LoRALinear, add_lora
-    from quantize import NF4Linear, quantize_lora_bases
+    from variants.lora import LoRALinear, add_lora
+    from variants.quantize import NF4Linear, quantize_lora_bases
     onednn(True)
     torch.manual_seed(0)
     plain = add_lora(copy.deepcopy(loaded("llama")[0]), rank=4, alpha=8.0)
@@ -223,7 +228,7 @@ def test_packed_weights_follow_updates(loaded, onednn, update):
 
 FAULTS = """
 import resource, sys, torch
-import speed
+from engine import speed
 if sys.argv[1] == "keep":
     speed.keep_freed_memory()
 for step in range(100):  # a sampling step's logits, shifted and exp'd: (64, 49k) float32, 12.6 MB
@@ -311,7 +316,7 @@ def test_compile_blocks_refuses_a_mixture_of_experts(tiny_ckpt):
 
 
 def test_expandable_cuda_segments_unless_the_environment_says_otherwise(monkeypatch):
-    import speed
+    from engine import speed
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     speed.expandable_cuda_segments()
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

@@ -12,8 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import episodes  # noqa: E402
-import tools  # noqa: E402
+from tasks import episodes  # noqa: E402
+from tasks import tools  # noqa: E402
 from rollout import Completion  # noqa: E402
 
 needs_sandbox = pytest.mark.skipif(not tools.can_sandbox(), reason="no resource limits here")
@@ -125,7 +125,7 @@ def test_the_python_tool_in_an_episode_answers_a_failure_with_text():
 
 
 def test_tools_flags_are_checked(capsys):
-    import config
+    from run import config
     for argv, said in [(["--tools", "abacus"], "unknown abacus"),
                        (["--preset", "dapo-memory", "--tools", "calculator"], "one-turn tasks")]:
         with pytest.raises(SystemExit):

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from test_train import BASE, ROOT, metrics, run_train, tiny  # noqa: F401  (a fixture)
-import tracking
+from run import tracking
 
 sys.path.insert(0, str(ROOT))
 
@@ -111,7 +111,7 @@ def test_report_to_is_checked_by_name(value):
 
 
 def test_report_to_reads_a_list():
-    import tracking
+    from run import tracking
     pytest.importorskip("tensorboard")
     assert tracking.parse_report_to("none") == []
     assert tracking.parse_report_to(" tensorboard, tensorboard,") == ["tensorboard"]
@@ -120,7 +120,7 @@ def test_report_to_reads_a_list():
 def test_a_missing_backend_names_its_pip_install(monkeypatch):
     import importlib.util
 
-    import tracking
+    from run import tracking
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *rest: None if name == "wandb" else real(name, *rest))
@@ -158,7 +158,7 @@ def test_wandb_without_a_login_is_refused_before_any_work(tmp_path, monkeypatch)
     """--report-to wandb online with no API key and no `wandb login` entry: refused by config.py
     in one line, naming the way out; offline needs no login."""
     pytest.importorskip("wandb")
-    import config
+    from run import config
     for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))

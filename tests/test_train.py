@@ -122,8 +122,8 @@ def weights(run_dir):
 
 def in_process_run(tmp_path, tiny, *extra):
     """A launch.Run built in this process (no torchrun): for the pieces of a step."""
-    import config
-    import launch
+    from run import config
+    from run import launch
     model_dir, data_file = tiny
     args, _ = config.parse_config(["--model", model_dir, "--data", data_file, "--out",
                                    str(tmp_path / "run"), "--mini-batches", "1"] + BASE + list(extra))
@@ -179,7 +179,7 @@ def test_smoke_run_writes_everything(tiny, tmp_path):
 
 
 def test_every_preset_parses_and_flags_override():
-    import config
+    from run import config
     import dapo
     for name in dapo.PRESETS:
         args, _ = config.parse_config(["--preset", name, "--model", "x"])
@@ -194,7 +194,7 @@ def test_every_preset_parses_and_flags_override():
 
 def test_abbreviated_flags_are_refused_not_overridden(capsys):
     """`--temperat 0.5` used to parse as --temperature, and the preset then overrode it."""
-    import config
+    from run import config
     with pytest.raises(SystemExit) as error:
         config.parse_config(["--temperat", "0.5"])
     assert error.value.code == 2 and "--temperat" in capsys.readouterr().err
@@ -203,7 +203,7 @@ def test_abbreviated_flags_are_refused_not_overridden(capsys):
 
 
 def test_dapo_ppl_replaces_the_overlong_punishment():
-    import config
+    from run import config
     args, _ = config.parse_config(["--preset", "dapo-ppl", "--model", "x"])
     assert args.ppl_penalty == "replace" and not args.overlong_penalty
     args, _ = config.parse_config(["--preset", "dapo-ppl", "--model", "x", "--ppl-penalty", "beside"])
@@ -214,7 +214,7 @@ def test_overlong_window_scales_with_the_budget():
     """DAPO's 4,096 of 20,480 is a fifth; a fraction keeps it a fifth at any budget (it used to
     jump from 20% to 100% of the budget at 4,097 tokens)."""
     import argparse
-    from config import overlong_cache_tokens
+    from run.config import overlong_cache_tokens
     def cache(value, budget):
         return overlong_cache_tokens(argparse.Namespace(overlong_cache=value, max_new_tokens=budget))
     assert cache(0.2, 20480) == 4096 and cache(0.2, 4097) == 819 and cache(0.2, 64) == 13
@@ -391,7 +391,7 @@ def test_compiled_update_equals_eager(tiny, tmp_path):
 def test_compiling_needs_a_cpp_compiler_on_a_cpu(tiny, tmp_path, monkeypatch, capsys):
     """No C++ compiler on the PATH: auto leaves the blocks eager, --compile on is refused by name
     before any work (torch.compile would fail at the first update). (With one: the test above.)"""
-    import config
+    from run import config
     monkeypatch.setattr(config.shutil, "which", lambda name: None)
     assert in_process_run(tmp_path / "a", tiny, "--compile", "auto").policy.compiled_layers is None
     with pytest.raises(SystemExit, match="--compile on: .* was not found"):
@@ -555,8 +555,8 @@ def scripted_sampler(script):
 
 
 def test_dynamic_sampling_never_hangs_on_signal_less_groups(tiny, tmp_path, monkeypatch):
-    import launch
-    import refills
+    from run import launch
+    from variants import refills
     import train
     run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "4")
     fake, calls = scripted_sampler(lambda record, call: [call % 2 == 0] * 4)  # all right / all wrong
@@ -571,8 +571,8 @@ def test_dynamic_sampling_fills_exactly_and_carries_surplus(tiny, tmp_path, monk
     """Informative groups are kept until the batch is full; with --keep-surplus the rest go to
     the next step, marked stale, and are used first there; without it they are dropped."""
     import dataclasses
-    import launch
-    import refills
+    from run import launch
+    from variants import refills
     import train
     run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "5", "--keep-surplus")
     # Round 0: groups 0 and 1 informative; round 1: all four.
@@ -609,8 +609,8 @@ def test_refills_in_one_queue_sample_what_rounds_in_turn_do(tiny, tmp_path, monk
     cannot fill the batch) keep, sample, carry and draw from the stream exactly what rounds one
     after another do. With a row cap of one prompt's rows, round 1 is queued while round 0 still
     runs; a reward without variance runs every round."""
-    import launch
-    import refills
+    from run import launch
+    from variants import refills
     import rollout
     import train
     reward = tmp_path / "reward.py"
@@ -660,7 +660,7 @@ def test_refills_in_one_queue_sample_what_rounds_in_turn_do(tiny, tmp_path, monk
 
 
 def test_adversarial_variants_are_asked_in_the_next_round(tiny, tmp_path, monkeypatch):
-    import launch
+    from run import launch
     import train
     run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "1", "--adversarial")
     # Round 0: every prompt all right; its harder variants (new ids) come back informative.
@@ -677,7 +677,7 @@ def test_refills_with_variants_draw_only_the_fresh_prompts_they_need(tiny, tmp_p
     3 and 1 fresh prompt, round 2 four variants and none. The stream skips no prompt (it used to
     draw a whole batch for the 1 and drop the other 3 unseen)."""
     import data
-    import launch
+    from run import launch
     import train
     run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "2", "--adversarial")
     order = data.PromptStream(run.stream.source, run.args.prompts_per_step, seed=run.args.seed)
@@ -789,7 +789,7 @@ def test_normalised_rollout_weights_average_one(tiny, tmp_path):
 def _weight_scale_worker(rank, world_size, init_file, out_file):
     """Rank r of 2 holds its own rows of the step; the scale is over both."""
     import torch.distributed as dist
-    import token_choice
+    from variants import token_choice
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     whole = _scale_batch()
     mine = whole.select([0] if rank == 0 else [1])
@@ -815,7 +815,7 @@ def _scale_run(level, world):
 def test_rollout_weight_scale_is_over_every_rank(tmp_path):
     """Two gloo ranks with a group each (3 and 4 tokens) get the scale one process gets for both."""
     import torch.multiprocessing as mp
-    import token_choice
+    from variants import token_choice
     out = tmp_path / "scales.json"
     mp.spawn(_weight_scale_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
     alone = [token_choice.rollout_weight_scale(_scale_run(level, 1), _scale_batch())
@@ -896,9 +896,9 @@ def test_reinforce_baseline_whitens_over_the_loss_tokens(tiny, tmp_path):
 def test_a_prompt_too_long_for_the_micro_batch_budget_is_refused_at_load(tiny, tmp_path):
     """The digit prompts are 50 tokens: with --micro-batch-tokens 52 and --max-new-tokens 3 a row
     could not fit a micro-batch alone, so the data is refused before any step, naming both."""
-    import config
+    from run import config
     import data
-    import launch
+    from run import launch
     from transformers import AutoTokenizer
     model_dir, data_file = tiny
     args, _ = config.parse_config(["--model", model_dir, "--data", data_file, "--out",
@@ -947,7 +947,7 @@ def test_rollout_rejection_and_normalisation_act_in_a_run(tiny, tmp_path):
 
 
 def test_rollout_correction_and_choice_flags_are_checked(capsys):
-    import config
+    from run import config
     assert config.parse_config(["--preset", "icepop", "--model", "x"])[0].tis_floor == 0.5
     for argv, named in [(["--tis-level", "sequence"], "--tis-cap"),
                         (["--tis-cap", "2", "--tis-floor", "0.5"], "--tis-mode mask"),
@@ -1028,7 +1028,7 @@ def test_reinforce_pp_preset_runs(tiny, tmp_path):
 def test_reward_flags_reach_the_reward(tiny, tmp_path):
     """--format-reward (including the XML recipe), --overlong-penalty and --ppl-penalty all
     reach rewards.math_reward (the format terms used to be always 0)."""
-    import config
+    from run import config
     import rewards
     from rollout import Completion
     args, _ = config.parse_config(["--model", "x", "--format-reward", "xml", "--correct-reward", "2",
@@ -1116,7 +1116,7 @@ def test_a_silent_run_is_warned_once_of_each_cause(tiny, tmp_path):
 
 def test_the_warnings_need_their_cause_three_steps_in_a_row():
     import types
-    import metrics as step_metrics
+    from run import metrics as step_metrics
     args = types.SimpleNamespace(reward="", max_new_tokens=64, template="none", temperature=1.0)
     watch = step_metrics.Watch(args, "an answer")
     quiet = {"truncated": 0.1, "groups_with_signal": 3, "reward_extracted": 0.9, "response_length_median": 9}
@@ -1136,7 +1136,7 @@ def test_no_warning_on_the_default_runs_logged(tmp_path):
     """The default preset's committed CPU runs (assets/grpo-vs-dpo-cpu, 3 seeds), through the
     watch: not one warning (their logs predate two of its fields: kept groups have a signal)."""
     import types
-    import metrics as step_metrics
+    from run import metrics as step_metrics
     for seed in range(3):
         folder = ROOT / "assets" / "grpo-vs-dpo-cpu" / f"dapo-s{seed}"
         args = types.SimpleNamespace(**json.loads((folder / "config.json").read_text()))
@@ -1173,8 +1173,8 @@ def test_chunked_gkl_term_equals_gkl_loss_on_whole_logits(tiny, tmp_path, agg):
     import types
 
     import data
-    import objectives
-    import reference
+    from variants import objectives
+    from variants import reference
     run = in_process_run(tmp_path, tiny, "--kl", "gkl", "--kl-coef", "1.0", "--loss-agg", agg,
                          "--gkl-beta", "2.0", "--gkl-gamma", "0.5", "--gkl-temperature", "1.5",
                          "--gkl-weight-temperature", "2.0")
@@ -1266,8 +1266,8 @@ def test_resume_before_the_first_checkpoint_starts_over(tiny, tmp_path):
 def test_a_resume_that_changes_the_model_is_refused_by_name(tmp_path, capsys):
     """A checkpoint holds the weights of one model, adapters and quantisation: a --resume with
     another is refused naming the flag; the same value again, or another flag, is fine."""
-    import config
-    import runs
+    from run import config
+    from run import runs
     args, _ = config.parse_config(["--model", "some/model", "--lora-rank", "4"])
     runs.write_config(str(tmp_path), {k: v for k, v in vars(args).items() if k != "resume"})
     for flag, value in [("--model", "other/model"), ("--lora-rank", "8"), ("--quantize", "nf4")]:
@@ -1377,12 +1377,12 @@ def test_a_second_writer_is_refused(tiny, tmp_path):
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     # Its lock went with it: the run can now be resumed.
-    import runs
+    from run import runs
     runs.lock(str(out)).close()
 
 
 def test_lock_and_unreadable_log_lines(tmp_path, capsys):
-    import runs
+    from run import runs
     held = runs.lock(str(tmp_path))
     with pytest.raises(runs.RunError, match="is being written by train.py, pid"):
         runs.lock(str(tmp_path))
@@ -1401,7 +1401,7 @@ def test_resume_keeps_the_flags_it_was_given(tiny, tmp_path, capsys):
     """`--resume R --steps N` is written back to config.json (a later plain --resume used to
     fall back to the first run's --steps and write final/ early); --preset with --resume and a
     damaged value in config.json are refused, before any work."""
-    import config
+    from run import config
     model_dir, data_file = tiny
     out = tmp_path / "run"
     run_train(["--model", model_dir, "--data", data_file, "--steps", "1", "--out", str(out)] + BASE)
@@ -1422,7 +1422,7 @@ def test_resume_keeps_the_flags_it_was_given(tiny, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_bad_out_or_an_inert_flag_fails_before_any_work(tiny, tmp_path, capsys):
-    import config
+    from run import config
     model_dir, data_file = tiny
     a_file = tmp_path / "a-file"
     a_file.write_text("")
@@ -1487,7 +1487,7 @@ def test_mini_batches_are_a_full_batchs_share(tiny, tmp_path, prompts_per_step, 
 def test_a_step_that_keeps_no_group_is_logged_not_scheduled(tiny, tmp_path, monkeypatch):
     """A step whose dynamic sampling kept nothing makes no update: it counts as a step (the log,
     --steps) but not on the learning-rate schedule's clock (warm-up, cosine), as in verl."""
-    import launch
+    from run import launch
     import train
     run = in_process_run(tmp_path, tiny, "--warmup-steps", "4", "--adv-estimator", "reinforce_baseline",
                          "--log-samples", "0")
@@ -1502,7 +1502,7 @@ def test_a_step_that_keeps_no_group_is_logged_not_scheduled(tiny, tmp_path, monk
 
 def test_plot_reads_a_torn_log_and_names_a_missing_run(tmp_path):
     pytest.importorskip("matplotlib")
-    import runs
+    from run import runs
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "train_seconds": 6, "accuracy": 0.5}\n{"step": 2, "tr')
@@ -1525,7 +1525,7 @@ def test_a_run_on_a_read_only_file_system_is_named_not_a_traceback(tmp_path, mon
     import builtins
     matplotlib = pytest.importorskip("matplotlib")
     import matplotlib.figure  # (an attribute of matplotlib only once imported)
-    import runs
+    from run import runs
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "train_seconds": 6, "accuracy": 0.5}\n')
@@ -1550,7 +1550,7 @@ def test_a_run_on_a_read_only_file_system_is_named_not_a_traceback(tmp_path, mon
 def test_comparison_table_means_spreads_and_convergence():
     """runs.summary_table: one row per label, mean +- sd over seeds, the first step at 90% of
     the best label's final accuracy (here 0.9 * 0.8 = 72%)."""
-    import runs
+    from run import runs
 
     def run(label, accuracies, memory):
         return {"label": label, "eval": [{"step": 10 * i, "pass@1": a} for i, a in enumerate(accuracies)],
@@ -1584,8 +1584,8 @@ def family_checkpoint(directory, family):
 def test_two_steps_on_each_family(tiny, tmp_path, family):
     """2 steps of train.py's loop on each new family (in this process: no interpreter start),
     and final/ loads in transformers (the MoE runs the whole CLI below)."""
-    import launch
-    import checkpoints
+    from run import launch
+    from run import checkpoints
     import train
     from transformers import AutoModelForCausalLM
     model_dir = family_checkpoint(tmp_path / "model", family)
@@ -1643,9 +1643,9 @@ def test_replayed_routing_lines_up_with_the_packed_batch(tiny, tmp_path):
     tokens: with unchanged weights, a free forward over the packed batch routes exactly as
     replayed."""
     import data
-    import moe
+    from variants import moe
     import train
-    from moe import Routing
+    from variants.moe import Routing
     model_dir = family_checkpoint(tmp_path / "model", "qwen3_moe")
     run = in_process_run(tmp_path, (model_dir, tiny[1]), "--routing-replay")
     records = next(run.stream)[:3]
@@ -1674,7 +1674,7 @@ def test_each_objective_acts_in_a_run(tiny, tmp_path, preset):
     finite updates, and the objective's own figure moving where it has one (GSPO's narrow
     sequence clip, CISPO's cut weights, the tokens the 80/20 rule and Clip-Cov / KL-Cov choose)."""
     import losses
-    import objectives
+    from variants import objectives
     model_dir, _ = tiny
     data_file = learnable_data(tmp_path / "learnable.jsonl")
     out = tmp_path / preset
@@ -1701,7 +1701,7 @@ def test_each_objective_acts_in_a_run(tiny, tmp_path, preset):
 
 
 def test_objective_flags_are_checked(capsys):
-    import config
+    from run import config
     args, _ = config.parse_config(["--model", "x", "--objective", "gspo"])
     assert args.clip_c is None  # the dapo preset's dual-clip belongs to the clipped ratio it replaces
     assert config.objective_settings(args) == {"eps_low": 0.2, "eps_high": 0.28}
@@ -1740,8 +1740,8 @@ def test_dpo_reads_untempered_log_probs(tiny, tmp_path):
     """DPO's implicit reward is beta * log(pi / pi_ref) of the policies themselves: the sampling
     temperature (0.5 here) must not divide the logits, or it changes the effective beta."""
     import data
-    import objectives
-    import reference
+    from variants import objectives
+    from variants import reference
     from model import token_logprobs
     run = in_process_run(tmp_path, tiny, "--preset", "dpo", "--temperature", "0.5")
     with torch.no_grad():  # a reference apart from the policy, so the margins are not all 0
@@ -1763,7 +1763,7 @@ def test_truncated_sampling_with_a_rollout_correction_is_refused(capsys):
     """With --top-p < 1 the tokens come from the truncated distribution while the sampler's
     log-probs are of the whole one (the ratio to pi_old would be of the wrong behaviour policy):
     the corrections that read those log-probs are refused with it, by name."""
-    import config
+    from run import config
     for extra in (["--tis-cap", "2"], ["--keep-surplus", "--max-refills", "1"]):
         with pytest.raises(SystemExit):
             config.parse_config(["--model", "x", "--top-p", "0.9"] + extra)
@@ -1774,7 +1774,7 @@ def test_truncated_sampling_with_a_rollout_correction_is_refused(capsys):
 def test_every_turn_earns_its_perplexity_penalty(tiny, tmp_path, monkeypatch):
     """The perplexity penalty, like the overlong punishment, scores every turn of an episode (it
     used to read the last turn only): a confused first turn costs its episode."""
-    import episodes
+    from tasks import episodes
     import train
     from rollout import Completion
     run = in_process_run(tmp_path, tiny, "--ppl-penalty", "beside", "--ppl-threshold", "0.5",
@@ -1824,7 +1824,7 @@ def test_a_signal_stops_at_a_step_with_a_checkpoint(tiny, tmp_path, signum):
 def test_a_repeated_signal_within_two_seconds_is_the_same_request(monkeypatch, capsys):
     """A scheduler signalling every process of a torchrun job reaches each rank twice (directly
     and forwarded by torchrun): one request. A signal again later stops the process at once."""
-    import launch
+    from run import launch
     killed = []
     with launch.StopRequest() as stop:
         monkeypatch.setattr(os, "kill", lambda pid, signum: killed.append(signum))
@@ -1887,7 +1887,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_one_before_stays(tiny, 
     """A full disk while a checkpoint is written: torch raises its own RuntimeError halfway
     through the file, which does not say ENOSPC. The run says the disk is full in one line (an
     exit, no traceback), leaves no half file, and the checkpoint before it loads."""
-    import runs
+    from run import runs
     import train
     model_dir, data_file = tiny
     out = tmp_path / "run"
@@ -1924,7 +1924,7 @@ def test_a_full_disk_at_a_log_line_is_one_line_and_resume_holds_each_step_once(t
     says so; --resume goes on from the checkpoint, the torn line set aside, each step once."""
     import errno
     import gc
-    import runs
+    from run import runs
     import train
     model_dir, data_file = tiny
     out = tmp_path / "run"
@@ -1956,7 +1956,7 @@ def test_a_full_disk_at_a_log_line_is_one_line_and_resume_holds_each_step_once(t
 def test_a_full_disk_at_final_is_one_line_and_resume_writes_it(tiny, tmp_path, monkeypatch):
     import errno
     import gc
-    import launch
+    from run import launch
     import train
     model_dir, data_file = tiny
     out = tmp_path / "run"
@@ -1983,8 +1983,8 @@ def test_the_device_defaults_time_limit_checkpoints_and_activation_checkpointing
     """No --time-limit: 20 minutes on a CPU (the offline default run), none on CUDA; checkpoints
     every 5 minutes on a CPU, every 10 steps on CUDA (resolved at setup and saved; given flags
     win). --activation-checkpointing auto: off on a CPU; bare, on."""
-    import config
-    import launch
+    from run import config
+    from run import launch
     model_dir, data_file = tiny
     argv = ["--model", model_dir, "--data", data_file, "--out", str(tmp_path / "run"), "--steps", "1",
             "--dtype", "float32", "--compile", "off", "--max-new-tokens", "3"]
@@ -2005,7 +2005,7 @@ def test_the_device_defaults_time_limit_checkpoints_and_activation_checkpointing
 
 def test_activation_checkpointing_auto_is_on_for_a_billion_parameters_on_cuda():
     from types import SimpleNamespace
-    import config
+    from run import config
     big, small = 1_000_000_000, 100
     for cuda, parameters, want in ((True, big, True), (True, small, False), (False, big, False)):
         args = SimpleNamespace(activation_checkpointing="auto")
@@ -2020,7 +2020,7 @@ def test_ctrl_c_during_the_step_0_evaluation_is_one_line_and_the_run_goes_on(tin
     """SIGINT's handler for the steps starts after the step-0 held-out evaluation: Ctrl-C there
     (a KeyboardInterrupt) ends in one line with exit status 130, and --resume goes on."""
     import gc
-    import launch
+    from run import launch
     import train
     model_dir, data_file = tiny
     out = tmp_path / "run"

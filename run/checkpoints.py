@@ -20,9 +20,9 @@ import tempfile
 
 import torch
 
-from lora import LoRALinear
+from variants.lora import LoRALinear
 from model import ModelConfig, Transformer
-from speed import cpu_feature
+from engine.speed import cpu_feature
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2",
                    "gemma3_text", "gemma3")

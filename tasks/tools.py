@@ -26,7 +26,7 @@ import sys
 import tempfile
 from dataclasses import replace
 
-from verify import arithmetic_value
+from tasks.verify import arithmetic_value
 
 TAGS = {"calculator": "calc", "python": "python"}   # --tools name: the tag a call is written in
 INSTRUCTIONS = {

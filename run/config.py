@@ -17,11 +17,11 @@ import sys
 import dapo
 import data
 import losses
-import objectives
+from variants import objectives
 import rewards
-import runs
-import tools
-import tracking
+from run import runs
+from tasks import tools
+from run import tracking
 
 # The offline default: the `dapo` preset scaled to a 2-core CPU and a 135M model. What differs from
 # the paper's run, and why:
@@ -544,7 +544,7 @@ def checkpoints_activations(args, parameters: int, cuda: bool) -> bool:
 
 def uses_bf16(args, cuda: bool) -> bool:
     """--dtype: bf16 rollouts and autocast updates, where asked or (auto) where bf16 is fast."""
-    from checkpoints import cpu_has_bf16
+    from run.checkpoints import cpu_has_bf16
     return args.dtype == "bfloat16" or (args.dtype == "auto" and (cuda or cpu_has_bf16()))
 
 

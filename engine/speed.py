@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from lora import LoRALinear
+from variants.lora import LoRALinear
 from model import MLP, Attention, PagedKVCache, Transformer
 
 # ----------------------------------------------------------------------------- packed products

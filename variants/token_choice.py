@@ -16,10 +16,10 @@ import random
 import torch
 
 import data
-import launch
+from run import launch
 import losses
-import objectives
-from distributed import all_reduce, gather
+from variants import objectives
+from run.distributed import all_reduce, gather
 from model import completion_logprobs
 
 # The log's name of each choice's share of loss tokens.

@@ -23,10 +23,12 @@ import time
 
 import torch
 
-from checkpoints import (_read_safetensors, converted_dir, cpu_has_bf16, empty_model, load_model,
-                         load_state_dict_strict, read_config)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's root
+
+from run.checkpoints import (_read_safetensors, converted_dir, cpu_has_bf16, empty_model, load_model,
+                             load_state_dict_strict, read_config)
 from model import PagedKVCache, Transformer, token_logprobs
-from speed import compile_blocks, keep_freed_memory, pack_linears, sampling_products
+from engine.speed import compile_blocks, keep_freed_memory, pack_linears, sampling_products
 from rollout import generate
 
 

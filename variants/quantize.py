@@ -101,7 +101,7 @@ class DequantisedProduct(torch.autograd.Function):
 
 def quantize_lora_bases(model):
     """Every LoRA adapter's frozen base projection to NF4, in place (after lora.add_lora)."""
-    from lora import LoRALinear
+    from variants.lora import LoRALinear
     for module in list(model.modules()):
         if isinstance(module, LoRALinear):
             module.base = NF4Linear(module.base)

@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-import sharding
+from run import sharding
 
 
 def setup_distributed():

@@ -25,12 +25,12 @@ import random
 import re
 from dataclasses import dataclass
 
-import config
+from run import config
 import dapo
 import data
 import rewards
 from rollout import Completion, generate
-import tools as tool_calls
+from tasks import tools as tool_calls
 
 # What each question asks (MemoryTask's `ask`): the total over every page, or the first page's
 # sale (recall: the memory must be written at page 1 and kept past the pages after it).

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-import config
-from cuda_graphs import bucket
+from run import config
+from engine.cuda_graphs import bucket
 from model import ModelConfig, Transformer
-from engine import decode_working_bytes
+from engine.paged import decode_working_bytes
 
 GIB = 2 ** 30
 
@@ -66,7 +66,7 @@ def meta_model(cfg: ModelConfig, lora_rank: int = 0) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg)
         if lora_rank:
-            from lora import add_lora
+            from variants.lora import add_lora
             add_lora(model, rank=lora_rank)
     return model
 
@@ -264,9 +264,9 @@ def plan_only(args) -> int:
     """train.py --plan-only [GIB]: the plan for WORLD_SIZE ranks, printed; nothing loads but
     config.json, the tokenizer and the data (where they can be read). -> exit status: 1 when a
     GPU's size is known and the plan does not fit it."""
-    import checkpoints
+    from run import checkpoints
     import data
-    from launch import load_data
+    from run.launch import load_data
     world, rank = os.environ.get("WORLD_SIZE", "1"), int(os.environ.get("RANK", "0"))
     if not world.isdigit() or int(world) < 1:
         raise SystemExit(f"train.py: --plan-only plans for WORLD_SIZE ranks: a whole number >= 1, "

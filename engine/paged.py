@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from cuda_graphs import bucket
-from flex_decode import FlexPagedKVCache, map_bytes
+from engine.cuda_graphs import bucket
+from engine.flex_decode import FlexPagedKVCache, map_bytes
 from model import PagedKVCache
-from moe import Routing
-from speed import KeptRowsKVCache
+from variants.moe import Routing
+from engine.speed import KeptRowsKVCache
 
 
 @dataclass

@@ -39,9 +39,9 @@ import time
 from tqdm import tqdm
 
 import data
-import episodes
+from tasks import episodes
 import rollout
-import verify
+from tasks import verify
 
 DEFAULT_ROWS = 64  # records x samples per generate call when batch_size is not given
 

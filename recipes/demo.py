@@ -23,11 +23,13 @@ from urllib.parse import parse_qs, urlparse
 
 import torch
 
-import checkpoints
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's root
+
+from run import checkpoints
 import data
 import rollout
-import verify
-from speed import keep_freed_memory, pack_linears
+from tasks import verify
+from engine.speed import keep_freed_memory, pack_linears
 
 MAX_QUESTION_CHARS = 2000   # what the page takes in one problem
 MAX_ANSWER_CHARS = 200      # a reference answer

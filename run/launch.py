@@ -30,23 +30,23 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
-import config
-import countdown
+from run import config
+from tasks import countdown
 import dapo
 import data
-import episodes
-import evaluation
-import quantize
+from tasks import episodes
+from run import evaluation
+from variants import quantize
 import rewards
-import runs
-import sharding
-import tracking
-import checkpoints
-import memory_plan
-from checkpoints import load_model, save_model
-from speed import compile_blocks, expandable_cuda_segments, keep_freed_memory, pack_linears
-from distributed import from_rank0, gather, setup_distributed
-from lora import add_lora
+from run import runs
+from run import sharding
+from run import tracking
+from run import checkpoints
+from run import memory_plan
+from run.checkpoints import load_model, save_model
+from engine.speed import compile_blocks, expandable_cuda_segments, keep_freed_memory, pack_linears
+from run.distributed import from_rank0, gather, setup_distributed
+from variants.lora import add_lora
 from model import Transformer
 from rollout import line_break_ids, stop_token_ids
 

@@ -9,12 +9,12 @@ a step samples the same completions. train.collect_rollouts calls them.
 import random
 from dataclasses import replace
 
-import config
+from run import config
 import dapo
 import data
-import episodes
-import launch
-import metrics
+from tasks import episodes
+from run import launch
+from run import metrics
 import rollout
 
 

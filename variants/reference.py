@@ -15,12 +15,12 @@ from torch.utils.checkpoint import checkpoint
 
 import dapo
 import data
-import distributed
-import launch
+from run import distributed
+from run import launch
 import losses
-import objectives
-from distributed import add, all_reduce
-from lora import lora_disabled
+from variants import objectives
+from run.distributed import add, all_reduce
+from variants.lora import lora_disabled
 from model import token_logprobs
 
 

@@ -16,7 +16,7 @@ from collections import Counter
 from fractions import Fraction
 
 from data import HELDOUT_EVERY, DataError, in_heldout_split
-from verify import arithmetic_value, extract_answer
+from tasks.verify import arithmetic_value, extract_answer
 
 
 def reward(reply, row):
