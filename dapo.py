@@ -265,6 +265,13 @@ def reinforce_pp_advantages(rewards, kl, counted, beta: float, reduce=None, gamm
 # Group filtering (DAPO eq. 11) and its adversarial variant
 # ---------------------------------------------------------------------------------------------
 
+def task_scores(reward_parts, correct) -> list[float]:
+    """Each row's task score, before any shaping term: what dynamic sampling compares within a
+    group (eq. 11: the rule reward's +1 / -1 is its correctness; a --reward function's value, its
+    "correct" part; a row without the part, its correctness). reward_parts (N,) dicts, correct (N,)."""
+    return [parts.get("correct", float(right)) for parts, right in zip(reward_parts, correct)]
+
+
 def keep_groups(correct, group_size) -> torch.Tensor:
     """(groups,) bool: True where a group carries a learning signal, 0 < #correct < G (eq. 11).
 

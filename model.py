@@ -20,7 +20,7 @@ Gemma 3 (text, or the language model of an image-text checkpoint):
           per token, tokens grouped by expert.
 
 Also here: `PagedKVCache` (keys and values in fixed-size blocks that rows hold through block
-tables) and `Transformer.paged`, the sampler's forward over it (engine.py keeps the
+tables) and `Transformer.paged`, the sampler's forward over it (engine/paged.py keeps the
 blocks and the queue); `token_logprobs` (log-probs and entropies of given tokens, the vocabulary
 projection in chunks recomputed in backward by chunked_logprobs.py: no (B, T, V) tensor is held).
 Beside it: moe.py (the experts), lora.py, checkpoints.py (`load_model`, `save_model`),
@@ -271,7 +271,7 @@ class PagedKVCache:
     et al. 2023, "Efficient Memory Management for LLM Serving"): position p of a row lives at
     slot p % block_size of block table[p // block_size], its block table listing its blocks in
     order. A row holds the blocks its length needs, frees them when it stops, and shares its
-    prompt's with the prompt's other rows (engine.py keeps the tables and reference counts).
+    prompt's with the prompt's other rows (engine/paged.py keeps the tables and reference counts).
     Block 0 is scratch: padding writes into it, tables are padded with it, attention masks it.
     `Transformer.paged` sets `slots`, `tables` and `positions` for one forward."""
 

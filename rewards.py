@@ -3,9 +3,9 @@
     python -m pytest tests/test_rewards.py -q
 
 A completion scores as in DAPO (arXiv 2503.14476): +1 if its final answer is equivalent to the
-ground truth (verify.py decides), -1 otherwise (eq. 7), plus the soft overlong punishment (eq. 13)
-when it ran long. `math_reward` adds this codebase's optional terms and returns
-`(reward, components)`.
+ground truth (verify.py decides), -1 otherwise (eq. 7, `rule_reward`), plus the soft overlong
+punishment (eq. 13, `overlong_penalty`) when it ran long. `math_reward` adds this codebase's
+optional terms and returns `(reward, components)`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,26 @@ import math
 import re
 import sys
 
-from tasks.verify import ANSWER_LINE_RE, MAX_SCAN_CHARS, answer_tag, answers_equal, clean_text, extract_answer
+from tasks.verify import ANSWER_LINE_RE, MAX_SCAN_CHARS, answer_tag, clean_text, extract_answer, is_correct
 
-__all__ = ["overlong_penalty", "perplexity_penalty", "shaping", "format_reward", "xml_terms",
-           "math_reward", "FORMAT_STYLES", "user_score", "task_reward", "judged_right"]
+__all__ = ["rule_reward", "overlong_penalty", "perplexity_penalty", "shaping", "format_reward",
+           "xml_terms", "math_reward", "FORMAT_STYLES", "user_score", "task_reward", "judged_right"]
+
+# ---------------------------------------------------------------------------------------------
+# The rule reward (eq. 7)
+
+
+def rule_reward(response: str, truth, correct: float = 1.0, wrong: float = -1.0) -> float:
+    """DAPO's rule-based reward (eq. 7), with y_hat the answer extracted from `response`:
+
+        R(y_hat, y) = 1   if is_equivalent(y_hat, y)
+                    = -1  otherwise (a wrong answer, or none found)
+
+    verify.is_correct extracts and compares; it never raises. `correct` and `wrong` replace 1
+    and -1 (GSM8K's XML recipe pays 2 and 0).
+    """
+    return correct if is_correct(response, truth) else wrong
+
 
 # ---------------------------------------------------------------------------------------------
 # Shaping terms
@@ -222,10 +238,12 @@ def math_reward(response: str, truth, *, correct: float = 1.0, wrong: float = -1
                      ppl_threshold=ppl_threshold, ppl_window=ppl_window)
 
     answer = extract_answer(response)  # (never raises)
-    ok = answers_equal(answer, truth) if score is None else score[1]
-    # DAPO eq. 7: R(y_hat, y) = 1 if is_equivalent(y_hat, y) else -1
-    rule = (r_correct if ok else r_wrong) if score is None else _finite("score", score[0])
-    c = {"correct": rule, "accuracy": 1.0 if ok else 0.0, "extracted": float(answer is not None),
+    if score is None:  # eq. 7 scored 1 / 0 is the accuracy; then scored correct / wrong
+        accuracy = rule_reward(response, truth, correct=1.0, wrong=0.0)
+        rule = r_correct if accuracy else r_wrong
+    else:
+        accuracy, rule = (1.0 if score[1] else 0.0), _finite("score", score[0])
+    c = {"correct": rule, "accuracy": accuracy, "extracted": float(answer is not None),
          "format": 0.0, "format_ok": 0.0, "integer": 0.0, "xml_count": 0.0, "overlong": 0.0,
          "ppl": 0.0}
     if style is not None:

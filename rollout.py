@@ -1,9 +1,9 @@
 """Sampling: many prompts x G samples through a paged KV cache with continuous batching.
 
-    completions = generate(model, prompts, num_samples=G, max_new_tokens=64, temperature=1.0,
-                           stop_token_ids=[tokenizer.eos_token_id], seed=0)
+    sampling = Sampling(max_new_tokens=64, temperature=1.0, stop_token_ids=[tokenizer.eos_token_id])
+    completions = generate(model, prompts, sampling, num_samples=G)
 
-How one call runs: `Engine` (engine.py, the design of vLLM and nano-vllm) keeps the keys and
+How one call runs: `Engine` (engine/paged.py, the design of vLLM and nano-vllm) keeps the keys and
 values in a pool of fixed-size blocks, admits the prompts while blocks allow, prefills each prompt
 once for its G rows, and feeds every running row its last token at each decode step; a row that
 stops frees its blocks for a waiting prompt, and one that finds none free preempts the newest.
@@ -12,19 +12,23 @@ This file draws the tokens: by inverse CDF (cumulative sum + searchsorted: at a 
 hash of (the prompt's seed, the sample's index, the row's token count): no generator, so a row's
 sample never depends on the rows around it, on when it ran, or on the KV budget. `on_group` hears
 of each prompt whose last row has ended, and may queue more prompts into the same running call
-(dynamic sampling's next round, refills.py).
+(dynamic sampling's next round, variants/refills.py). This file and engine/paged.py run the
+plain decode step; the speed-ups (a compiled step, CUDA graphs, FlexAttention, a CPU's packed
+products) are handed in from outside: `engine=EngineOptions(speed=SpeedUps(...))`
+(engine/speedups.py).
 
 Each completion's `.logprobs` are those of the distribution the token was drawn from: the logits
 divided by the temperature, before top-k/top-p truncation (at temperature 1, the policy's own
 log-probs). The trainer computes its own at the same temperature and logs the gap. At
 temperature 0 (greedy) they are the untempered policy's log-probs.
 
-`python bench.py sampler` times this sampler, eager and compiled, against transformers'
+`python recipes/bench.py sampler` times this sampler, eager and compiled, against transformers'
 `generate`, eager and with a compiled static cache, on the same weights, batch, lengths and
 dtype, side by side in one process. Tests: `python -m pytest tests/test_rollout.py
 tests/test_engine.py`.
 """
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -32,10 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.cuda_graphs import BucketedStep, CompiledBlocks
-from engine.paged import Engine, pool_blocks, refuse_unfit, tokens_so_far
-from model import Transformer
-from engine.speed import sampling_products
+from engine.paged import Engine, EngineOptions, pool_blocks, refuse_unfit, tokens_so_far
+from model import PagedKVCache, Transformer
 
 
 @dataclass
@@ -179,9 +181,20 @@ def step_uniforms(keys, step):
     return (bits >> 8).float() / 2**24
 
 
-def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p, top_k,
-                  check_every, seed):
+@dataclass(frozen=True)
+class Sampling:
+    """How a call's rows draw their tokens (nano-vllm's SamplingParams)."""
+    max_new_tokens: int = 256
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0        # nucleus: the smallest prefix of the sorted distribution of mass >= top_p
+    top_k: int = 0            # 0: every token
+    stop_token_ids: tuple = ()
+    seed: int | list = 0      # an int, or one per prompt: with the sample's index, its random stream
+
+
+def _check_inputs(model, prompts, num_samples, sampling, check_every, seed):
     """-> samples per prompt, seed per prompt; or a ValueError naming the bad argument."""
+    max_new_tokens = sampling.max_new_tokens
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError("generate: prompts must be a non-empty list of token-id lists")
     for i, p in enumerate(prompts):
@@ -199,9 +212,9 @@ def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     if check_every is not None and (not isinstance(check_every, int) or check_every < 1):
         raise ValueError(f"generate: check_every must be an int >= 1 or None, got {check_every!r}")
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+    if sampling.temperature < 0 or not 0 < sampling.top_p <= 1 or sampling.top_k < 0:
         raise ValueError(f"generate: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
-                         f"{temperature}, {top_p}, {top_k}")
+                         f"{sampling.temperature}, {sampling.top_p}, {sampling.top_k}")
     seeds = ([seed * 1_000_003 + i for i in range(len(prompts))] if isinstance(seed, int)
              else list(seed))
     if len(seeds) != len(prompts):
@@ -210,51 +223,54 @@ def _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_
 
 
 @torch.no_grad()
-@sampling_products()  # a CPU's products on packed oneDNN weights (speed.pack_linears)
-def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, temperature=1.0,
-             top_p=1.0, top_k=0, stop_token_ids=(), seed=0, compile=None, check_every=None,
-             record_routing=False, stream=None, kv_budget=None, max_rows=None, block_size=16,
-             prefill_tokens=8192, stats=None, on_group=None, cuda_graphs=False,
-             flex_attention=False):
-    """prompts: token-id lists; num_samples, seed: an int, or one per prompt. compile: the decode
-    step through torch.compile (`step_function`); cuda_graphs: decode steps padded to buckets, on
-    a GPU replayed as CUDA graphs. record_routing: on an MoE, each Completion's `.routing` holds
-    every position's experts. stream: called every `check_every` decode steps (None: 1) with the
-    tokens so far, (B, longest), 0 past a row's end (demo.py). on_group(prompt index, its
+def generate(model: Transformer, prompts, sampling=Sampling(), *, num_samples=1,
+             engine=EngineOptions(), record_routing=False, stream=None, check_every=None,
+             on_group=None, stats=None):
+    """prompts: token-id lists; num_samples: an int, or one per prompt; sampling: `Sampling`;
+    engine: `EngineOptions` (engine/paged.py: the KV budget, the row cap, the speed-ups chosen
+    outside this file). record_routing: on an MoE, each Completion's `.routing` holds every
+    position's experts. stream: called every `check_every` decode steps (None: 1) with the tokens
+    so far, (B, longest), 0 past a row's end (recipes/demo.py). on_group(prompt index, its
     Completions), as each prompt's last row ends, may return (prompts, num_samples, seeds) lists
-    to queue on, numbered on from those so far (refills.py), sharing the call's pool and row cap.
-    The engine's knobs (engine.py): kv_budget, GiB of KV blocks (None: every row at its longest;
-    on CUDA at most 90% of free memory, `pool_blocks`); max_rows running at once (None: all);
-    block_size, positions a block holds; prefill_tokens, the most a prefill forward computes;
-    stats, a dict of counts (Engine.counts, BucketedStep.counts); flex_attention: flex_decode.py.
-    -> list[Completion], prompt-major. The same seed gives the same samples, whatever the budget."""
-    counts, seeds = _check_inputs(model, prompts, num_samples, max_new_tokens, temperature, top_p,
-                                  top_k, check_every, seed)
-    if block_size < 1 or prefill_tokens < 1 or (max_rows is not None and max_rows < 1):
+    to queue on, numbered on from those so far (variants/refills.py), sharing the call's pool and
+    row cap. stats: a dict, given the engine's counts (Engine.counts, and a graphed step's).
+    -> list[Completion], prompt-major. The same seed gives the same samples, whatever the engine."""
+    counts, seeds = _check_inputs(model, prompts, num_samples, sampling, check_every, sampling.seed)
+    if engine.block_size < 1 or engine.prefill_tokens < 1 or \
+            (engine.max_rows is not None and engine.max_rows < 1):
         raise ValueError(f"generate: need block_size, prefill_tokens and max_rows >= 1; got "
-                         f"{block_size}, {prefill_tokens}, {max_rows}")
-    if flex_attention and compile and cuda_graphs:  # CompiledBlocks: a cache of one layer each
-        raise ValueError("generate: flex_attention with compile and cuda_graphs: one or the other")
-    rows, record = max_rows or sum(counts), record_routing and model.config.num_experts > 0
-    step_fn = step_function(model, compile, record, cuda_graphs)
-    captured = isinstance(step_fn, BucketedStep) and step_fn.capture  # graphs on a GPU
-    engine = Engine(model, pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget,
-                                       rows, captured, flex_attention), block_size, rows,
-                    prefill_tokens, record, keep_rows=kv_budget is None and step_fn is decode_step,
-                    flex=flex_attention)
-    engine.add(prompts, counts, sample_keys(seeds, counts), max_new_tokens)
-    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
-    stop_ids, steps = set(stop_token_ids), 0
+                         f"{engine.block_size}, {engine.prefill_tokens}, {engine.max_rows}")
+    rows, record = engine.max_rows or sum(counts), record_routing and model.config.num_experts > 0
+    speed = engine.speed
+    step_fn = speed.step(model, record) if speed else decode_step
+    cache = speed.cache(model, engine.kv_budget, step_fn) if speed else PagedKVCache
+    graphs = getattr(step_fn, "capture", False)  # CUDA graphs hold the step's memory once more
+    with speed.context() if speed else contextlib.nullcontext():
+        blocks = pool_blocks(model, prompts, counts, sampling.max_new_tokens, engine.block_size,
+                             engine.kv_budget, rows, graphs, cache)
+        running = Engine(model, blocks, engine.block_size, rows, engine.prefill_tokens, record, cache)
+        running.add(prompts, counts, sample_keys(seeds, counts), sampling.max_new_tokens)
+        run_engine(running, step_fn, sampling, stream, check_every, on_group)
+    if stats is not None:
+        stats.update(running.counts(), **getattr(step_fn, "counts", dict)())  # BucketedStep's too
+    return [completion(row) for row in running.rows]
+
+
+def run_engine(engine, step_fn, sampling, stream, check_every, on_group):
+    """Prefills and decode steps until no row is left: prompts first (their rows join the next
+    decode step), and on_group's further prompts queued as each group ends."""
+    draw = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+    stop_ids, max_new_tokens, steps = set(sampling.stop_token_ids), sampling.max_new_tokens, 0
 
     def draw_first(logits, keys):  # a prompt's rows' first tokens: draw 0 of each row's stream
-        return sample_tokens(logits, step_uniforms(keys, 0), **sampling)
+        return sample_tokens(logits, step_uniforms(keys, 0), **draw)
 
     while engine.busy():
         engine.admit()
-        if engine.prefilling:  # prompts first: their rows join the next decode step
+        if engine.prefilling:
             engine.prefill(draw_first, stop_ids, max_new_tokens)
         else:
-            engine.decode(step_fn, sampling, stop_ids, max_new_tokens)
+            engine.decode(step_fn, draw, stop_ids, max_new_tokens)
             steps += 1
             if stream and steps % (check_every or 1) == 0:
                 stream(tokens_so_far(engine.rows))
@@ -262,10 +278,7 @@ def generate(model: Transformer, prompts, *, num_samples=1, max_new_tokens=256, 
             more = on_group(index, [completion(row) for row in engine.groups[index]]) \
                 if on_group else None
             if more:
-                queue_more(engine, more, max_new_tokens, sampling, check_every)
-    if stats is not None:
-        stats.update(engine.counts(), **getattr(step_fn, "counts", dict)())  # BucketedStep's too
-    return [completion(row) for row in engine.rows]
+                queue_more(engine, more, sampling, check_every)
 
 
 def completion(row):
@@ -274,29 +287,16 @@ def completion(row):
     return Completion(row.prompt_index, row.tokens, row.logprobs, row.finish, routing)
 
 
-def queue_more(engine, more, max_new_tokens, sampling, check_every):
+def queue_more(engine, more, sampling, check_every):
     """Queues what on_group returned, (prompts, num_samples, seeds), checked as a call's own
     prompts are (and its seeds one per prompt: an int would repeat the first prompts' streams)."""
     prompts, counts, seeds = more
     if not isinstance(seeds, (list, tuple)):
         raise ValueError(f"generate: on_group's seeds must be one int per prompt, got {seeds!r}")
-    counts, seeds = _check_inputs(engine.model, prompts, counts, max_new_tokens, *sampling.values(),
-                                  check_every, seeds)
-    refuse_unfit(prompts, max_new_tokens, engine.block_size, engine.cache.block_bytes,
+    counts, seeds = _check_inputs(engine.model, prompts, counts, sampling, check_every, seeds)
+    refuse_unfit(prompts, sampling.max_new_tokens, engine.block_size, engine.cache.block_bytes,
                  engine.pool.size)
-    engine.add(prompts, counts, sample_keys(seeds, counts), max_new_tokens)
-
-
-def step_function(model, compile, record, cuda_graphs=False):
-    """The decode step: eager (compile None or False), compiled whole (True; on an H100 its first
-    call outlasted 4 minutes: MEASUREMENTS.md "On a GPU"), or with `cuda_graphs` replayed per bucket
-    (cuda_graphs.py; with compile, its blocks and draw compiled); eager on an MoE (experts read)."""
-    if model.config.num_experts or record:
-        return decode_step
-    if cuda_graphs:
-        step = CompiledBlocks() if compile else decode_step
-        return BucketedStep(step, capture=model.device.type == "cuda")
-    return compiled_step(model.device) if compile else decode_step
+    engine.add(prompts, counts, sample_keys(seeds, counts), sampling.max_new_tokens)
 
 
 def decode_step(model, fed, start, tables, cache, keys, draws, temperature, top_p, top_k,
@@ -307,23 +307,3 @@ def decode_step(model, fed, start, tables, cache, keys, draws, temperature, top_
     logits = model.paged(fed[:, None], start, torch.ones_like(start), tables, cache,
                          routing)  # (b, V) float32
     return sample_tokens(logits, step_uniforms(keys, draws), temperature, top_p, top_k)
-
-
-_COMPILED = {}
-
-
-def compiled_step(device):
-    """decode_step through torch.compile, made once per device type: one whole graph
-    (fullgraph), shapes dynamic (a new row count or table width is no new compile). Without
-    duck shapes: by default, sizes equal when first seen share one symbol, so a batch of 64 rows
-    would be fixed at 64 along with a head size of 64."""
-    if device.type not in _COMPILED:
-        _COMPILED[device.type] = torch.compile(decode_step, fullgraph=True, dynamic=True)
-    return without_duck_shapes(_COMPILED[device.type])
-
-
-def without_duck_shapes(compiled):
-    def step(*args):
-        with torch.fx.experimental._config.patch(use_duck_shape=False):  # read when compiling
-            return compiled(*args)
-    return step

@@ -40,24 +40,16 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
-from run import config
 import dapo
 import data
-from run import distributed
-from tasks import episodes
-from run import launch
 import losses
-from run import memory_plan
-from run import metrics
-from variants import moe
-from variants import objectives
-from variants import reference
-from variants import refills
 import rewards
 import rollout
-from variants import token_choice
-from run.distributed import add, all_reduce, gather, reduce_metrics, top
 from model import completion_logprobs, token_logprobs
+from run import config, distributed, evaluation, launch, memory_plan, metrics
+from run.distributed import add, all_reduce, gather, reduce_metrics, top
+from tasks import episodes
+from variants import moe, objectives, reference, refills, token_choice
 from variants.moe import Routing
 
 # ---- the batch a step carries -------------------------------------------------------------------
@@ -185,7 +177,7 @@ def train_step(run, progress):
                        trained_steps=progress.trained_steps + bool(update_sums.get("updates")),
                        train_seconds=progress.train_seconds + end - start, accuracy_ema=ema,
                        skipped_updates=row["skipped_updates_total"], carry=collected.surplus,
-                       prompt_accuracy=launch.shared_prompt_accuracy(run, progress, collected.sampled)
+                       prompt_accuracy=refills.shared_prompt_accuracy(run, progress, collected.sampled)
                        if args.adaptive_budget else {})
     row["train_seconds"], row["trained_steps"] = progress.train_seconds, progress.trained_steps
     shown = batch if batch.tokens else (collected.sampled or [batch])[0]  # all dropped: round 1's
@@ -203,8 +195,8 @@ def sample_and_reward(run, records, num_samples, seeds):
         return Rollouts(**episodes.play_and_reward(sampler, tokenizer, records, num_samples, seeds,
                                                    args, run.stop_ids, run.reward_function))
     prompts = [data.format_prompt(record, tokenizer, args.template) for record in records]
-    done = rollout.generate(sampler, prompts, num_samples=num_samples, seed=seeds,
-                            **config.sampling_options(args, run.stop_ids))  # prompt-major
+    done = rollout.generate(sampler, prompts, num_samples=num_samples,
+                            **config.sampling_options(args, run.stop_ids, seeds))  # prompt-major
     return rewarded(run, records, num_samples, prompts, done)
 
 
@@ -330,7 +322,7 @@ def scored_logprobs(run, batch, rows, under_reference=False):
             run.policy.config, args.device)
         score = functools.partial(completion_logprobs, ids=ids, attn=attn, start=start,
                                   replay=replay, temperature=args.temperature)
-        with launch.autocast(run):
+        with distributed.autocast(run.args.device, run.bf16):
             logp = reference.reference_forward(run, score) if under_reference else score(run.policy)
         out.update({i: logp[j, :len(batch.tokens[i])].tolist() for j, i in enumerate(part)})
     return [out[i] for i in rows]  # (micro-batches by tokens go longest first)
@@ -387,7 +379,7 @@ def update(run, batch, step=0):
         run.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for k, (mb, divisor, choice) in enumerate(zip(micro, divisors, chosen)):
-            with distributed.accumulating(run.model, last=k == len(micro) - 1), launch.autocast(run):
+            with distributed.accumulating(run.model, last=k == len(micro) - 1), distributed.autocast(run.args.device, run.bf16):
                 loss, mb_sums, mb_maxima = policy_gradient_loss(run, mb, divisor, choice)
                 # DDP and FSDP average gradients over ranks; the divisors are already global, so
                 # scale back up to make that average a sum (the update then equals one device's).
@@ -511,7 +503,7 @@ def added_terms(run, mb, divisors, loss, forward, routing, chosen):
 def main(argv=None):
     args, explicit = config.parse_config(argv)
     if args.plan_only is not None:  # the memory plan, printed; no weight read
-        raise SystemExit(memory_plan.plan_only(args))
+        raise SystemExit(memory_plan.plan_only(args, launch.load_data))
     if args.bench and "steps" not in explicit:
         args.steps = 3
     try:  # Ctrl-C before the steps (loading, the step-0 evaluation): one line, nothing lost
@@ -523,7 +515,7 @@ def main(argv=None):
             run = replace(run, tracker=launch.open_tracking(run, progress))  # --report-to
             print(launch.describe(run), flush=True)
         if run.heldout and progress.step == 0 and not args.bench:  # every rank: its share
-            launch.evaluate_and_log(run, progress)
+            evaluation.evaluate_and_log(run, progress)
     except KeyboardInterrupt:
         raise launch.interrupted_before_steps(args) from None
     with launch.StopRequest() as stop, run.tracker:  # signals: at the end of a step, checkpointed
@@ -565,7 +557,7 @@ def train_steps(run, progress, stop):
         if writes:  # metrics.jsonl, samples.jsonl, the bar
             launch.log_step(run, progress, row, examples, bar, watch)
         if run.heldout and args.eval_every and progress.step % args.eval_every == 0:
-            launch.evaluate_and_log(run, progress)  # every rank: its share of the problems
+            evaluation.evaluate_and_log(run, progress)  # every rank: its share of the problems
         if flags["save_due"] or over_time or stopping or progress.step == args.steps:
             launch.save_checkpoint(run, progress)
             last_save = time.monotonic()

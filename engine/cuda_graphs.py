@@ -1,5 +1,6 @@
 """Decode steps replayed as CUDA graphs (the model runner of nano-vllm and vLLM), applied from
-outside the model: `rollout.generate(..., cuda_graphs=True)` hands its engine a `BucketedStep`.
+outside the model and the sampler: `SpeedUps(cuda_graphs=True)` (speedups.py) hands
+`rollout.generate`'s engine a `BucketedStep`.
 
 A decode step of a few hundred rows is hundreds of small kernels, and on a GPU their launches, not
 the arithmetic, set its time. A CUDA graph records the kernels once and replays them in one launch,
@@ -26,12 +27,8 @@ import time
 
 import torch
 
+from engine.paged import bucket
 from model import Block, PagedKVCache
-
-
-def bucket(n):
-    """The smallest power of two >= n (n >= 1)."""
-    return 1 << (n - 1).bit_length()
 
 
 class BucketedStep:
@@ -113,11 +110,11 @@ def compiled_block():
 
 
 @functools.cache
-def compiled_sampling():
-    """rollout's draw of a step's tokens from its logits through torch.compile, once per process:
-    ~60 operations, each a pass over a (rows, vocabulary) tensor or its chunks (at 256 rows and
-    Qwen2.5's 152k tokens, 156 MB in float32 each), fused into a few."""
-    from rollout import sample_tokens, step_uniforms  # (rollout imports this file)
+def compiled_sampling(sample_tokens, step_uniforms):
+    """rollout's draw of a step's tokens from its logits (its functions handed in) through
+    torch.compile, once per process: ~60 operations, each a pass over a (rows, vocabulary) tensor
+    or its chunks (at 256 rows and Qwen2.5's 152k tokens, 156 MB in float32 each), fused into a
+    few."""
 
     def draw(logits, keys, draws, temperature, top_p, top_k):
         return sample_tokens(logits, step_uniforms(keys, draws), temperature, top_p, top_k)
@@ -125,13 +122,16 @@ def compiled_sampling():
 
 
 class CompiledBlocks:
-    """rollout.decode_step with each block's forward compiled, and its sampling: generate(...,
-    compile=True, cuda_graphs=True). Compiling the whole step unrolls every layer into one graph
+    """rollout.decode_step with each block's forward compiled, and its sampling (rollout's
+    `sample_tokens` and `step_uniforms`, handed in): SpeedUps(compile=True, cuda_graphs=True). Compiling the whole step unrolls every layer into one graph
     (its first call outlasted 4 minutes on an H100, MEASUREMENTS.md "On a GPU"); a block compiles
     once and every layer reuses the graph, as nothing in it names its layer: each layer is handed
     the cache of its own keys and values alone (`one_layer`) as layer 0. The blocks' forwards are
     swapped for the step only (the prefill stays eager). Under CUDA graphs the compiles run in a
     bucket's warm-up steps, so a call's capture_seconds hold them."""
+
+    def __init__(self, sample_tokens, step_uniforms):
+        self.draw = (sample_tokens, step_uniforms)
 
     def __call__(self, model, fed, start, tables, cache, keys, draws, temperature, top_p, top_k,
                  routing=None):
@@ -148,7 +148,7 @@ class CompiledBlocks:
         finally:
             for layer in model.layers:
                 vars(layer).pop("forward", None)  # the class's eager forward again
-        return compiled_sampling()(logits, keys, draws, temperature, top_p, top_k)
+        return compiled_sampling(*self.draw)(logits, keys, draws, temperature, top_p, top_k)
 
     @staticmethod
     def compiled_forward(block, x, cos, sin, mask, cache=None, layer=0, routing=None):

@@ -1,7 +1,7 @@
 """Decode attention that reads the paged KV pool in place, through FlexAttention (Dong et al.
 2024, "Flex Attention: A Programming Model for Generating Optimized Attention Kernels"); applied
-from outside the model: `rollout.generate(..., flex_attention=True)` gives its engine a
-`FlexPagedKVCache`.
+from outside the model and the sampler: `SpeedUps(flex_attention=True)` (speedups.py) gives
+`rollout.generate`'s engine a `FlexPagedKVCache`.
 
 The paged cache's own decode step (model.PagedKVCache.attend) gathers every row's blocks into one
 (Hkv, b, S, D) tensor per layer: a copy of all the keys and values the step reads, padded to the
@@ -14,7 +14,7 @@ position in the row, and the row's table says whether the block is the row's. Co
 evaluates the mask_mod over the whole pool, so the mask_mod alone must be exact. A step's maps,
 for each kind of layer: `place`, (pool blocks,) int32, and the BlockMask's list of blocks, (rows,
 pool blocks) int32, as wide as the pool (a compiled kernel's BlockMask must span every key). The
-pool holds at most every row at its longest (engine.pool_blocks): at 256 rows of 5,000 positions
+pool holds at most every row at its longest (paged.pool_blocks): at 256 rows of 5,000 positions
 in blocks of 16 (80k blocks), the list is 82 MB. A prefill chunk keeps the gathered path: many
 queries per row read each block once.
 
@@ -55,6 +55,7 @@ class FlexPagedKVCache(PagedKVCache):
     """The paged cache whose decode steps attend through FlexAttention over the pool in place.
     One BlockMask per forward and kind of layer (full, or sliding with its window), built at the
     forward's first layer of that kind and read by the others."""
+    map_bytes = staticmethod(map_bytes)  # what paged.pool_blocks counts beside each block
 
     def __init__(self, cfg, num_blocks, block_size, dtype, device):
         super().__init__(cfg, num_blocks, block_size, dtype, device)
@@ -92,7 +93,7 @@ class FlexPagedKVCache(PagedKVCache):
         tables, position = self.tables, self.positions[:, 0]  # (b, nb), (b,)
         (b, nb), bs, N = tables.shape, self.block_size, self.kv[0].shape[2]
         # place[block] = j where tables[r, j] = block: one j for every row that holds the block,
-        # as a block is shared only by one prompt's rows, at the same place in each (engine.py)
+        # as a block is shared only by one prompt's rows, at the same place in each (paged.py)
         place = torch.full((N,), -1, dtype=torch.int32, device=tables.device)  # (N,)
         place.scatter_(0, tables.reshape(-1), torch.arange(nb, dtype=torch.int32,
                                                            device=tables.device).repeat(b))

@@ -25,11 +25,21 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.cuda_graphs import bucket
-from engine.flex_decode import FlexPagedKVCache, map_bytes
 from model import PagedKVCache
 from variants.moe import Routing
-from engine.speed import KeptRowsKVCache
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine's knobs, for `rollout.generate(..., engine=EngineOptions(...))`."""
+    kv_budget: float | None = None  # GiB of KV blocks (None: every row at its longest; on CUDA
+    #                                 at most 90% of the free memory: `pool_blocks`)
+    max_rows: int | None = None     # rows running at once (None: all)
+    block_size: int = 16            # positions a block holds
+    prefill_tokens: int = 8192      # the most positions one prefill forward computes
+    # The speed-ups, chosen outside this file (engine/speedups.py's SpeedUps): the decode step,
+    # the cache's class and the context the call runs in. None: the plain step and cache.
+    speed: object = None
 
 
 @dataclass
@@ -98,12 +108,18 @@ def blocks_at_longest(prompt, max_new_tokens, block_size):
     return -(-(len(prompt) + max_new_tokens) // block_size)
 
 
+def bucket(n):
+    """The smallest power of two >= n (n >= 1): the rows a CUDA graph's step is padded to."""
+    return 1 << (n - 1).bit_length()
+
+
 def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, rows=None,
-                cuda_graphs=False, flex=False):
+                cuda_graphs=False, cache=PagedKVCache):
     """The pool's size in blocks (the scratch block included): what every row needs at its
     longest, no more; within kv_budget GiB when given, and on CUDA within 90% of the memory free
     beside the decode step's working memory (`rows` at once, all by default; `cuda_graphs`), with
-    `flex` FlexAttention's maps of the pool too (they grow with it: flex_decode.map_bytes).
+    the maps a `cache` class keeps for each block too where it has them (FlexAttention's grow
+    with the pool: flex_decode.FlexPagedKVCache.map_bytes).
     A row that cannot fit alone is refused here, before any work, with the arithmetic."""
     cfg, rows = model.config, rows or sum(counts)
     block_bytes = PagedKVCache.bytes_per_block(cfg, block_size, model.dtype)
@@ -116,8 +132,9 @@ def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, r
         free = 0.9 * max(0, torch.cuda.mem_get_info(model.device)[0] - working)
         # FlexAttention's maps grow with the pool; counted as decode_working_bytes counts the
         # step (under graphs, their pool holds them again at the bucket of rows)
+        map_bytes = getattr(cache, "map_bytes", None)
         maps = (map_bytes(cfg, rows) + (map_bytes(cfg, bucket(rows)) if cuda_graphs else 0)
-                if flex else 0)
+                if map_bytes else 0)
         blocks = min(blocks, int(free // (block_bytes + maps)))
     refuse_unfit(prompts, max_new_tokens, block_size, block_bytes, blocks)
     return blocks
@@ -126,7 +143,7 @@ def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, r
 def decode_working_bytes(cfg, rows, cuda_graphs=False) -> int:
     """A decode step's memory beside the KV pool: float32 logits and two more (B, V) float32
     tensors in sampling, 12 bytes a row a vocabulary entry; under CUDA graphs the graphs' own pool
-    holds them again, at the bucket of rows (cuda_graphs.bucket)."""
+    holds them again, at the bucket of rows (`bucket`)."""
     one = rows * cfg.vocab_size * 12
     return one + bucket(rows) * cfg.vocab_size * 12 if cuda_graphs else one
 
@@ -151,15 +168,11 @@ class Engine:
     block preempts the newest running row (its blocks freed, recomputed when admitted again)."""
 
     def __init__(self, model, num_blocks, block_size, max_rows, prefill_tokens, record,
-                 keep_rows=False, flex=False):
+                 cache=PagedKVCache):
         self.model, self.max_rows, self.prefill_tokens, self.record = \
             model, max_rows, prefill_tokens, record
-        # keep_rows (eager decode steps, no KV budget): on a CPU the decoding rows' keys stay
-        # gathered between steps (speed.KeptRowsKVCache); flex: decode steps read the pool in
-        # place through FlexAttention (flex_decode.py)
-        kind = FlexPagedKVCache if flex else \
-            KeptRowsKVCache if keep_rows and model.device.type == "cpu" else PagedKVCache
-        self.cache = kind(model.config, num_blocks, block_size, model.dtype, model.device)
+        # `cache`: model.PagedKVCache's class, or one of the speed-ups' (engine/speedups.py)
+        self.cache = cache(model.config, num_blocks, block_size, model.dtype, model.device)
         self.pool, self.block_size = BlockPool(num_blocks), block_size
         self.waiting, self.prefilling, self.decoding = deque(), [], []  # Prefill, Prefill, Row
         self.rows, self.groups, self.ended = [], [], []  # every Row; each prompt's; ended, unread

@@ -9,7 +9,7 @@ are): the model file holds the model, in plain nn.Linear; nothing here acts at i
     compile_blocks(model)    torch.compile each block for the training and scoring forwards
 
 The entry points (launch.setup for train.py, eval.py, bench.py, demo.py) call them; figures, with
-`python bench.py sampler` side by side: MEASUREMENTS.md, "The sampler".
+`python recipes/bench.py sampler` side by side: MEASUREMENTS.md, "The sampler".
 """
 
 import contextlib

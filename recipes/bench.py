@@ -1,14 +1,14 @@
 """Benchmarks, each side by side with transformers on the same weights in one process (ratios,
 never absolute times, compare across machines; every report names its CPU or GPU).
 
-    python bench.py sampler   # rollout.generate eager and compiled vs transformers' generate eager
+    python recipes/bench.py sampler   # rollout.generate eager and compiled vs transformers' generate eager
                               # and static-cache compiled: tok/s, ratios, matmul-only bound, compile
-    python bench.py engine    # RL's long tail: under a KV budget, static waves vs the paged engine;
+    python recipes/bench.py engine    # RL's long tail: under a KV budget, static waves vs the paged engine;
                               # on CUDA, the engine eager and under CUDA graphs vs transformers
-    python bench.py refills   # dynamic sampling's rounds one after another vs in one queue
-    python bench.py update    # forward + backward + AdamW tok/s (fp32, bf16 autocast), log-prob memory
-    python bench.py moe       # a small Qwen3-MoE's forward + backward tok/s
-    python bench.py sampler --device cuda --model DIR   # on a GPU (recipes/gpu-check.sh makes DIR)
+    python recipes/bench.py refills   # dynamic sampling's rounds one after another vs in one queue
+    python recipes/bench.py update    # forward + backward + AdamW tok/s (fp32, bf16 autocast), log-prob memory
+    python recipes/bench.py moe       # a small Qwen3-MoE's forward + backward tok/s
+    python recipes/bench.py sampler --device cuda --model DIR   # on a GPU (recipes/gpu-check.sh makes DIR)
 
 A whole training step's time split (rollout / scoring / update) is `python train.py --bench`.
 """
@@ -20,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 
@@ -29,7 +30,9 @@ from run.checkpoints import (_read_safetensors, converted_dir, cpu_has_bf16, emp
                              load_state_dict_strict, read_config)
 from model import PagedKVCache, Transformer, token_logprobs
 from engine.speed import compile_blocks, keep_freed_memory, pack_linears, sampling_products
-from rollout import generate
+from engine.paged import EngineOptions
+from engine.speedups import SpeedUps
+from rollout import Sampling, generate
 
 
 # ----------------------------------------------------------------------------- the sampler
@@ -108,9 +111,9 @@ def bench_paths(ours, hf, prompts, args):
                                 mode="reduce-overhead" if device.type == "cuda" else None)
 
     def ours_run(compiled, graphs=False):
-        out = generate(ours, prompts, num_samples=args.samples, max_new_tokens=args.new_tokens,
-                       temperature=1.0, stop_token_ids=[], seed=0, compile=compiled,
-                       cuda_graphs=graphs)
+        sampling = Sampling(max_new_tokens=args.new_tokens, temperature=1.0, stop_token_ids=[])
+        engine = EngineOptions(speed=SpeedUps(compile=compiled, cuda_graphs=graphs))
+        out = generate(ours, prompts, sampling, num_samples=args.samples, engine=engine)
         assert all(len(c.tokens) == args.new_tokens for c in out)
 
     def hf_run(static):
@@ -269,16 +272,16 @@ def bench_engine(args):
     stats = {}
 
     def run(name, new_tokens=N):
-        sampling = dict(num_samples=G, max_new_tokens=new_tokens, temperature=1e4,
-                        stop_token_ids=stops, compile="blocks compiled" in name)
+        sampling = Sampling(max_new_tokens=new_tokens, temperature=1e4, stop_token_ids=stops, seed=7)
         if name == "transformers":
             return hf_long_tail(hf, prompts, G, new_tokens, stops)
         if name == "static waves":
-            return static_waves(model, waves, sampling)
+            return static_waves(model, waves, G, sampling)
         budget = budget_blocks * block_bytes / 2**30 if name.startswith("paged, budget") else None
-        out = generate(model, prompts, seed=7, kv_budget=budget, stats=stats.setdefault(name, {}),
-                       cuda_graphs=name.endswith("CUDA graphs"),
-                       flex_attention="FlexAttention" in name, **sampling)
+        speed = SpeedUps(compile="blocks compiled" in name, cuda_graphs=name.endswith("CUDA graphs"),
+                         flex_attention="FlexAttention" in name)
+        out = generate(model, prompts, sampling, num_samples=G, stats=stats.setdefault(name, {}),
+                       engine=EngineOptions(kv_budget=budget, speed=speed))
         return [c.tokens for c in out]
     if device.type == "cuda":
         hf = hf_model(args.model, dtype, device, tokenizer)
@@ -320,14 +323,15 @@ def timed_paths(names, run, repeats, device):
     return {n: outputs[n] for n in names}, {n: times[n] for n in names}
 
 
-def static_waves(model, waves, sampling):
+def static_waves(model, waves, samples, sampling):
     """Each wave of prompts in a call of its own, with the seeds the whole batch's call gives
     them (so the same samples) -> each row's tokens."""
     out = []
     for w, wave in enumerate(waves):
         start = sum(len(v) for v in waves[:w])
-        out += generate(model, wave, seed=[7 * 1_000_003 + start + i for i in range(len(wave))],
-                        **sampling)
+        seeds = [sampling.seed * 1_000_003 + start + i for i in range(len(wave))]
+        out += generate(model, wave, replace(sampling, seed=seeds), num_samples=samples,
+                        engine=EngineOptions(speed=SpeedUps()))
     return [c.tokens for c in out]
 
 
@@ -404,8 +408,9 @@ def bench_refills(args):
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     model = pack_linears(model)
     prompts, G, N, R = bench_prompts(tokenizer, args.prompts), args.samples, args.new_tokens, args.rounds
-    sampling = dict(num_samples=G, max_new_tokens=N, temperature=1e4, compile=False,
-                    stop_token_ids=long_tail_stops(model.config.vocab_size, N))
+    sampling = Sampling(max_new_tokens=N, temperature=1e4,
+                        stop_token_ids=long_tail_stops(model.config.vocab_size, N))
+    engine = EngineOptions(speed=SpeedUps(compile=False))
     seeds = [[1_000_003 * r + i for i in range(len(prompts))] for r in range(R)]
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{cpu_name()}, {torch.get_num_threads()} threads")
@@ -413,7 +418,8 @@ def bench_refills(args):
           f"at the limit), no group with a signal, {where}")
 
     def in_turn():
-        return [c for r in range(R) for c in generate(model, prompts, seed=seeds[r], **sampling)]
+        return [c for r in range(R) for c in generate(model, prompts, replace(sampling, seed=seeds[r]),
+                                                      num_samples=G, engine=engine)]
 
     def one_queue():
         queued, running = 1, len(prompts)  # rounds queued; groups not yet ended
@@ -424,7 +430,8 @@ def bench_refills(args):
             if queued < R and running < len(prompts):  # the batch cannot fill: the next round
                 queued, running = queued + 1, running + len(prompts)
                 return prompts, [G] * len(prompts), seeds[queued - 1]
-        return generate(model, prompts, seed=seeds[0], on_group=on_group, **sampling)
+        return generate(model, prompts, replace(sampling, seed=seeds[0]), num_samples=G,
+                        engine=engine, on_group=on_group)
     paths = {"rounds in turn": in_turn, "one queue": one_queue}
     outputs = {name: path() for name, path in paths.items()}  # warm-up, and the samples compared
     assert [c.tokens for c in outputs["one queue"]] == [c.tokens for c in outputs["rounds in turn"]]

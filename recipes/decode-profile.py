@@ -35,7 +35,7 @@ from importlib import import_module  # noqa: E402
 
 from engine.cuda_graphs import BucketedStep, CompiledBlocks, bucket  # noqa: E402
 from model import ModelConfig, PagedKVCache, Transformer  # noqa: E402
-from rollout import decode_step  # noqa: E402
+from rollout import decode_step, sample_tokens, step_uniforms  # noqa: E402
 
 SHAPES = {
     "qwen2.5-0.5b": import_module("engine-host").QWEN_05B,  # the host's measure uses it too
@@ -164,8 +164,8 @@ def main():
             return
         report_times("eager", decode_step, model, inputs, args.steps, device)
         if args.fused:
-            report_times("blocks and draw compiled", CompiledBlocks(), model, inputs,
-                         args.steps, device)
+            blocks = CompiledBlocks(sample_tokens, step_uniforms)
+            report_times("blocks and draw compiled", blocks, model, inputs, args.steps, device)
             from torch._dynamo.utils import counters
             print(f"  blocks and draw compiled: {counters['stats']['unique_graphs']} graphs compiled")
 

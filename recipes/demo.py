@@ -2,8 +2,8 @@
 trained model and its base answer side by side, streamed token by token from rollout.generate,
 each with the answer it commits to and whether the verifier accepts it.
 
-    python demo.py --model runs/NAME/final                  # against the bundled SmolLM2-135M
-    python demo.py --model runs/NAME/final --base Qwen/Qwen2.5-0.5B-Instruct --port 8000
+    python recipes/demo.py --model runs/NAME/final                  # against the bundled SmolLM2-135M
+    python recipes/demo.py --model runs/NAME/final --base Qwen/Qwen2.5-0.5B-Instruct --port 8000
 
 The standard library's HTTP server: GET / is the page, GET /problems a few held-out problems of
 --data, GET /answer streams one model's answer as server-sent events ("text" events with the
@@ -29,7 +29,9 @@ from run import checkpoints
 import data
 import rollout
 from tasks import verify
+from engine.paged import EngineOptions
 from engine.speed import keep_freed_memory, pack_linears
+from engine.speedups import SpeedUps
 
 MAX_QUESTION_CHARS = 2000   # what the page takes in one problem
 MAX_ANSWER_CHARS = 200      # a reference answer
@@ -59,9 +61,10 @@ class Answerer:
             if len(prompt_ids) + max_new_tokens > context:
                 raise Refused(f"the problem ({len(prompt_ids)} tokens) and the budget "
                               f"({max_new_tokens}) do not fit the model's context of {context}")
-            [completion] = rollout.generate(
-                self.model, [prompt_ids], max_new_tokens=max_new_tokens, temperature=temperature,
-                stop_token_ids=self.stop_ids, seed=random.getrandbits(62), compile=False, stream=stream)
+            sampling = rollout.Sampling(max_new_tokens=max_new_tokens, temperature=temperature,
+                                        stop_token_ids=self.stop_ids, seed=random.getrandbits(62))
+            [completion] = rollout.generate(self.model, [prompt_ids], sampling, stream=stream,
+                                            engine=EngineOptions(speed=SpeedUps(compile=False)))
             return self.tokenizer.decode(completion.tokens, skip_special_tokens=True)
 
     def until_stop(self, tokens):

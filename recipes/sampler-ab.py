@@ -64,7 +64,7 @@ def pack_checkout(model, classes):
 def load_checkout(path, dtype, stops):
     """-> (generate, the bundled model packed, stop ids, tokenizer) of the checkout at path."""
     from engine.speed import PackedLinear
-    modules = import_checkout(path)
+    modules = import_checkout(path, ("rollout", "checkpoints", "model", "engine", "engine.speedups"))
     model, tokenizer = modules["checkpoints"].load_model(None, dtype=dtype, device="cpu")
     model = pack_checkout(model, modules["model"])
     if not all(type(m) is PackedLinear for m in model.modules()  # (the bundled model is dense)
@@ -72,7 +72,19 @@ def load_checkout(path, dtype, stops):
         raise SystemExit(f"{path}: not every projection was packed; the two would not be the "
                          f"sampler train.py runs")
     stop_ids = modules["rollout"].stop_token_ids(tokenizer) if stops else []
-    return modules["rollout"].generate, model, stop_ids, tokenizer
+    return with_options(modules), model, stop_ids, tokenizer
+
+
+def with_options(modules):
+    """A checkout's generate, called with flat keywords: its own Sampling and, speed-ups as
+    train.py's (eager), its own EngineOptions and SpeedUps."""
+    rollout, paged, speedups = modules["rollout"], modules["engine"], modules["engine.speedups"]
+
+    def generate(model, prompts, num_samples, **sampling):
+        engine = paged.EngineOptions(speed=speedups.SpeedUps(compile=False))
+        return rollout.generate(model, prompts, rollout.Sampling(**sampling),
+                                num_samples=num_samples, engine=engine)
+    return generate
 
 
 def main():
@@ -138,7 +150,7 @@ def draw(checkout, prompts, samples, seed, new_tokens):
     """A checkout's generate (from load_checkout) on `prompts`, as every run here draws."""
     generate, model, stops, _ = checkout
     return generate(model, prompts, num_samples=samples, temperature=0.8, seed=seed,
-                    max_new_tokens=new_tokens, stop_token_ids=stops, compile=False)
+                    max_new_tokens=new_tokens, stop_token_ids=stops)
 
 
 def alone_against_together(paths, prompts, together, args):

@@ -17,11 +17,13 @@ import sys
 import dapo
 import data
 import losses
-from variants import objectives
 import rewards
-from run import runs
+from engine.paged import EngineOptions
+from engine.speedups import SpeedUps
+from rollout import Sampling
+from run import runs, tracking
 from tasks import tools
-from run import tracking
+from variants import objectives
 
 # The offline default: the `dapo` preset scaled to a 2-core CPU and a 135M model. What differs from
 # the paper's run, and why:
@@ -91,7 +93,7 @@ def run_flags(g):
                    help="also log to tensorboard and/or wandb (comma-separated; wandb offline with "
                         "WANDB_MODE=offline), e.g. tensorboard,wandb; default none")
     g.add_argument("--label", default=None,
-                   help="this run's name in comparisons, python runs.py (default: its preset)")
+                   help="this run's name in comparisons, python run/runs.py (default: its preset)")
 
 def model_flags(g):
     g.add_argument("--model", default=None,
@@ -549,17 +551,17 @@ def uses_bf16(args, cuda: bool) -> bool:
 
 
 def compile_choice(args):
-    """--compile as rollout.generate's `compile`: None (auto, its own choice), True or False.
+    """--compile as SpeedUps' `compile` (engine/speedups.py): None (auto, its own choice), True or False.
     Runs configured before the flag existed mean auto."""
     return {"auto": None, "on": True, "off": False}[getattr(args, "compile", "auto")]
 
 
 def graphs_choice(args, cuda: bool | None = None) -> bool:
-    """--cuda-graphs as rollout.generate's `cuda_graphs` for a run on CUDA or not (None: on
+    """--cuda-graphs as SpeedUps' `cuda_graphs` for a run on CUDA or not (None: on
     args.device): as asked, or (auto: the flag unset, or a resumed run's config.json without it)
     on CUDA unless --routing-replay, --compile on or --quantize nf4 (its dequantisation copies a
     host table each step, which a capture refuses); an MoE's step stays eager in
-    rollout.step_function. On by default since measured: about 4x the eager decode on RL's long
+    speedups.step_function. On by default since measured: about 4x the eager decode on RL's long
     tail (MEASUREMENTS.md, "On a GPU")."""
     choice = getattr(args, "cuda_graphs", False)
     if choice is not None:
@@ -647,13 +649,15 @@ def check_tools(args, parser):
         parser.error("--tools: the memory task's turns are pages; tools act in one-turn tasks")
 
 
-def sampling_options(args, stop_ids):
-    """rollout.generate's keyword arguments under this run's flags (besides prompts, samples and
-    seeds)."""
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                stop_token_ids=stop_ids, compile=compile_choice(args),
-                record_routing=args.routing_replay, kv_budget=args.kv_budget or None,
-                max_rows=args.max_rows or None, cuda_graphs=graphs_choice(args))
+def sampling_options(args, stop_ids, seed=0):
+    """rollout.generate's keyword arguments under this run's flags (besides prompts and samples):
+    its Sampling, its EngineOptions with the speed-ups the flags choose, record_routing."""
+    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        top_p=args.top_p, stop_token_ids=stop_ids, seed=seed)
+    speed = SpeedUps(compile=compile_choice(args), cuda_graphs=graphs_choice(args))
+    engine = EngineOptions(kv_budget=args.kv_budget or None, max_rows=args.max_rows or None,
+                           speed=speed)
+    return dict(sampling=sampling, engine=engine, record_routing=args.routing_replay)
 
 
 def reward_options(args, completion):

@@ -156,3 +156,8 @@ def optimizer_step(optimizer, model, loss_sum, max_norm):
         optimizer.zero_grad(set_to_none=True)
     return {"updates": 1, "skipped_updates": int(not finite),
             "grad_norm": float(grad_norm) if finite else 0.0}
+
+
+def autocast(device, bf16):
+    """The update's precision: bf16 autocast where bf16 is fast (fp32 weights), else fp32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()

@@ -31,6 +31,7 @@ Metrics (per problem i with c_i correct of n = k samples, then averaged over the
   turns that hit the token budget without a stop token. (One-turn tasks: per response.)
 """
 
+import functools
 import math
 import re
 import sys
@@ -39,9 +40,13 @@ import time
 from tqdm import tqdm
 
 import data
-from tasks import episodes
+import rewards
 import rollout
-from tasks import verify
+from engine.paged import EngineOptions
+from engine.speedups import SpeedUps
+from run import config, runs
+from run.distributed import gather
+from tasks import episodes, verify
 
 DEFAULT_ROWS = 64  # records x samples per generate call when batch_size is not given
 
@@ -121,20 +126,21 @@ def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_
     train/eval mode is restored afterwards). records: data.load_records records, or a task's
     held-out records (arithmetic, memory). max_new_tokens: per turn. batch_size: records per
     sampler call (default: DEFAULT_ROWS // k, at least 1). stop_ids: default
-    `rollout.stop_token_ids(tokenizer)`. compile: rollout.generate's. The summary holds n, k,
+    `rollout.stop_token_ids(tokenizer)`. compile: SpeedUps' (engine/speedups.py). The summary holds n, k,
     pass@1, avg@k, pass@k, maj@k, mean_length, truncated, temperature, top_p, max_new_tokens,
     template, seconds, tokens_per_s; the per-problem list follows the order of `records`.
     ids: each record's index in the whole held-out list (default 0, 1, ...), its samples' seed:
     a problem's samples do not depend on the others beside it, so a rank's share of the records
-    gives the rows one process would (train.py evaluates that way, launch.evaluate_and_log).
+    gives the rows one process would (train.py evaluates that way, evaluate_and_log).
     judge: judge(reply, record) -> bool in verify.is_correct's place (a run's --reward, a task's own).
     tools: the tools the model may call (episodes.play).
     """
     _check_settings(records, k, temperature)
     model = getattr(model, "module", model)
-    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                    stop_token_ids=rollout.stop_token_ids(tokenizer) if stop_ids is None else list(stop_ids),
-                    compile=compile)
+    sampling = rollout.Sampling(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        stop_token_ids=rollout.stop_token_ids(tokenizer) if stop_ids is None else list(stop_ids))
+    engine = EngineOptions(speed=SpeedUps(compile=compile))
     batch_size = batch_size or max(1, DEFAULT_ROWS // k)
     ids = list(range(len(records))) if ids is None else list(ids)
     plain = data.is_plain_prompt(tokenizer, template)
@@ -153,7 +159,7 @@ def evaluate(model, tokenizer, records, *, k=1, temperature=0.0, top_p=1.0, top_
             indices = order[at:at + batch_size]
             played = episodes.play(model, tokenizer, [records[i] for i in indices], k,
                                    [seed * 1_000_003 + ids[i] for i in indices], template=template,
-                                   tools=tools, **sampling)
+                                   tools=tools, sampling=sampling, engine=engine)
             for j, i in enumerate(indices):  # prompt-major: record j's k episodes at j*k
                 results[i] = _score(records[i], played[j * k:(j + 1) * k], tokenizer, plain, judge)
                 solved += sum(results[i]["correct"])
@@ -216,3 +222,44 @@ def _score(record, played, tokenizer, plain, judge=None):
     if "pages" in record:
         row["transcripts"] = [[turn.text for turn in episode] for episode in played]
     return row
+
+
+def evaluate_and_log(run, progress):
+    """Held-out accuracy, greedy (and avg@k with --eval-samples), into eval.jsonl: eval.py's
+    evaluation (evaluation.evaluate), on the sampler copy. Every rank calls it and plays its share
+    of the problems (every world-th); rank 0 gathers the rows, and its summary is the one a single
+    process would give (each problem's samples are seeded by its index). -> the summary"""
+    args, started = run.args, time.perf_counter()
+    settings = dict(max_new_tokens=args.max_new_tokens, template=args.template, stop_ids=run.stop_ids,
+                    compile=config.compile_choice(args), progress=False, tools=config.tool_names(args),
+                    judge=functools.partial(
+                        rewards.judged_right, run.reward_function, correct=args.correct_reward)
+                    if run.reward_function else None)
+    mine = list(range(run.rank, len(run.heldout), run.world))
+    greedy = held_out_rows(run, mine, settings)
+    result = {key: summarize(greedy, 1)[key] for key in ("pass@1", "n", "mean_length", "truncated")}
+    if args.eval_samples:
+        sampled = held_out_rows(run, mine, dict(settings, k=args.eval_samples, temperature=args.eval_temperature,
+                                                top_p=args.eval_top_p))
+        result.update({"avg@k": summarize(sampled, args.eval_samples)["avg@k"], "k": args.eval_samples})
+    if run.rank == 0:
+        avg_text = f", avg@{args.eval_samples} {result['avg@k']:.3f}" if args.eval_samples else ""
+        ranks = f" over {run.world} ranks" if run.world > 1 else ""
+        print(f"step {progress.step}: held-out accuracy {result['pass@1']:.3f}{avg_text} on {result['n']} "
+              f"problems{ranks} ({time.perf_counter() - started:.0f} s)", flush=True)
+        row = {"step": progress.step, "train_seconds": progress.train_seconds, **result}
+        runs.append_log(args.out, "eval.jsonl", row)
+        run.tracker.log(row, progress.step, prefix="eval/")
+    return result
+
+
+def held_out_rows(run, mine, settings):
+    """The per-problem rows of the held-out problems `mine` (indices), played on this rank, then
+    every rank's gathered -> all rows in the held-out order."""
+    records = [run.heldout[i] for i in mine]
+    rows = evaluate(run.sampler, run.tokenizer, records, ids=mine, **settings)[1] if records else []
+    ordered = [None] * len(run.heldout)
+    for indices, part in zip(gather(mine, run.world), gather(rows, run.world)):
+        for i, row in zip(indices, part):
+            ordered[i] = row
+    return ordered

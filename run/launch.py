@@ -6,14 +6,12 @@ samples). train.py's loop calls these.
     run = setup(args)                            # -> Run: the long-lived objects
     progress, carried = load_checkpoint(run)     # --resume
     save_checkpoint(run, progress)
-    evaluate_and_log(run, progress)              # held-out accuracy into eval.jsonl
+    finish(run, progress)                        # the last evaluation, final/, a summary
 """
 
 import argparse
-import contextlib
 import copy
 import dataclasses
-import functools
 import importlib.util
 import json
 import os
@@ -32,7 +30,6 @@ from safetensors import SafetensorError
 
 from run import config
 from tasks import countdown
-import dapo
 import data
 from tasks import episodes
 from run import evaluation
@@ -468,48 +465,9 @@ def open_tracking(run, progress):
                  "WANDB_MODE=offline logs without a network")
 
 
-def autocast(run):
-    """The update's precision: bf16 autocast where bf16 is fast (fp32 weights), else fp32."""
-    return torch.autocast(run.args.device.type, dtype=torch.bfloat16) if run.bf16 \
-        else contextlib.nullcontext()
-
-
 def refresh_sampler(run):
     if run.sampler is not run.policy:
         sharding.copy_trainable(run.sampler, run.policy)
-
-
-def shared_prompt_accuracy(run, progress, sampled):
-    """Every rank's prompt accuracies of this step folded into one running table, the same on
-    every rank (the adaptive budget reads it; prompts move between ranks each epoch)."""
-    seen = []
-    for batch in sampled:
-        firsts = set(batch.episode_starts())
-        for record, start, size in zip(batch.records, batch.group_starts(), batch.group_sizes):
-            outcomes = [batch.correct[i] for i in range(start, start + size) if i in firsts]
-            seen.append((record["id"], sum(outcomes) / len(outcomes)))
-    table = dict(progress.prompt_accuracy)
-    for rank_seen in gather(seen, run.world):
-        for prompt_id, accuracy in rank_seen:
-            dapo.update_accuracy(table, prompt_id, accuracy)
-    return table
-
-
-def adaptive_budget(args, progress, records):
-    """--adaptive-budget: each prompt's number of samples from its accuracy so far (hard prompts
-    more, easy ones fewer), the round's total unchanged."""
-    return dapo.adaptive_num_samples([progress.prompt_accuracy.get(r["id"]) for r in records],
-                                     total=len(records) * args.samples, min_samples=2,
-                                     max_samples=2 * args.samples)
-
-
-def harder_variants(run, batch):
-    """--adversarial: harder (or hinted) variants of the round's signal-less prompts, asked first
-    in the next round."""
-    return data.adversarial_variants(
-        batch.records, dapo.adversarial_requests(batch.correct, batch.group_sizes), run.variant_rng,
-        run.tokenizer, run.args.template,
-        max_prompt_tokens=run.policy.config.max_seq_len - run.args.max_new_tokens)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
@@ -573,45 +531,6 @@ def load_checkpoint(run):
 
 # ---- held-out evaluation and the end of a run ----------------------------------------------------
 
-def evaluate_and_log(run, progress):
-    """Held-out accuracy, greedy (and avg@k with --eval-samples), into eval.jsonl: eval.py's
-    evaluation (evaluation.evaluate), on the sampler copy. Every rank calls it and plays its share
-    of the problems (every world-th); rank 0 gathers the rows, and its summary is the one a single
-    process would give (each problem's samples are seeded by its index). -> the summary"""
-    args, started = run.args, time.perf_counter()
-    settings = dict(max_new_tokens=args.max_new_tokens, template=args.template, stop_ids=run.stop_ids,
-                    compile=config.compile_choice(args), progress=False, tools=config.tool_names(args),
-                    judge=functools.partial(
-                        rewards.judged_right, run.reward_function, correct=args.correct_reward)
-                    if run.reward_function else None)
-    mine = list(range(run.rank, len(run.heldout), run.world))
-    greedy = held_out_rows(run, mine, settings)
-    result = {key: evaluation.summarize(greedy, 1)[key] for key in ("pass@1", "n", "mean_length", "truncated")}
-    if args.eval_samples:
-        sampled = held_out_rows(run, mine, dict(settings, k=args.eval_samples, temperature=args.eval_temperature,
-                                                top_p=args.eval_top_p))
-        result.update({"avg@k": evaluation.summarize(sampled, args.eval_samples)["avg@k"], "k": args.eval_samples})
-    if run.rank == 0:
-        avg_text = f", avg@{args.eval_samples} {result['avg@k']:.3f}" if args.eval_samples else ""
-        ranks = f" over {run.world} ranks" if run.world > 1 else ""
-        print(f"step {progress.step}: held-out accuracy {result['pass@1']:.3f}{avg_text} on {result['n']} "
-              f"problems{ranks} ({time.perf_counter() - started:.0f} s)", flush=True)
-        row = {"step": progress.step, "train_seconds": progress.train_seconds, **result}
-        append_log(run, "eval.jsonl", row)
-        run.tracker.log(row, progress.step, prefix="eval/")
-    return result
-
-
-def held_out_rows(run, mine, settings):
-    """The per-problem rows of the held-out problems `mine` (indices), played on this rank, then
-    every rank's gathered -> all rows in the held-out order."""
-    records = [run.heldout[i] for i in mine]
-    rows = evaluation.evaluate(run.sampler, run.tokenizer, records, ids=mine, **settings)[1] if records else []
-    ordered = [None] * len(run.heldout)
-    for indices, part in zip(gather(mine, run.world), gather(rows, run.world)):
-        for i, row in zip(indices, part):
-            ordered[i] = row
-    return ordered
 
 
 def log_step(run, progress, row, examples, bar, watch):
@@ -623,25 +542,15 @@ def log_step(run, progress, row, examples, bar, watch):
         row = {**row, "warnings": said}
         for text in said:
             bar.write(f"warning: {text}", file=sys.stderr)
-    append_log(run, "metrics.jsonl", row)
+    runs.append_log(run.args.out, "metrics.jsonl", row)
     for line in examples:
-        append_log(run, "samples.jsonl", line)
+        runs.append_log(run.args.out, "samples.jsonl", line)
     run.tracker.log(row, row["step"])
     run.tracker.log_samples(examples, row["step"])
     bar.update(1)
     limit = f"/{args.time_limit:g}" if args.time_limit else ""
     bar.set_postfix_str(f"acc {row['accuracy']:.2f} kept {row['groups_kept']}/{row['groups_sampled']} "
                         f"len {row['response_length']:.0f} | {progress.train_seconds / 60:.1f}{limit} min")
-
-
-def append_log(run, name, row):
-    """A line into one of the run's logs; a full disk ends the run in one line (on --resume the
-    steps after the last checkpoint run again, and a torn line is set aside: runs.trim_log)."""
-    try:
-        runs.append_line(os.path.join(run.args.out, name), row)
-    except OSError as error:
-        sys.exit(f"train.py: {run.args.out}/{name}: could not write ({error.strerror or error}); the "
-                 f"last checkpoint is whole: free some space and run python train.py --resume {run.args.out}")
 
 
 def print_seconds(step, row):
@@ -662,7 +571,7 @@ def finish(run, progress):
     if run.heldout:  # rank 0 reads what was measured; every rank evaluates its share if due
         evals = runs.read_lines(os.path.join(args.out, "eval.jsonl")) if run.rank == 0 else []
         if gather(not evals or evals[-1]["step"] != progress.step, run.world)[0]:
-            evals.append({"step": progress.step, **evaluate_and_log(run, progress)})
+            evals.append({"step": progress.step, **evaluation.evaluate_and_log(run, progress)})
     final = sharding.gathered_model(run.policy, run.sampler, keep=run.rank == 0) \
         if run.args.fsdp else run.policy
     if run.rank != 0:

@@ -260,13 +260,13 @@ def check_before_loading(args, cfg: ModelConfig, longest_prompt: int | None, wor
         raise SystemExit(f"train.py: {why}")
 
 
-def plan_only(args) -> int:
+def plan_only(args, load_data) -> int:
     """train.py --plan-only [GIB]: the plan for WORLD_SIZE ranks, printed; nothing loads but
-    config.json, the tokenizer and the data (where they can be read). -> exit status: 1 when a
-    GPU's size is known and the plan does not fit it."""
+    config.json, the tokenizer and the data (where they can be read, by train.py's
+    `load_data(args, tokenizer, context)`). -> exit status: 1 when a GPU's size is known and the
+    plan does not fit it."""
     from run import checkpoints
     import data
-    from run.launch import load_data
     world, rank = os.environ.get("WORLD_SIZE", "1"), int(os.environ.get("RANK", "0"))
     if not world.isdigit() or int(world) < 1:
         raise SystemExit(f"train.py: --plan-only plans for WORLD_SIZE ranks: a whole number >= 1, "

@@ -38,13 +38,6 @@ def sample_sums(run, done, lengths):
                for name in reward_terms(run)}}
 
 
-def scores(batch):
-    """Each row's task score, before any shaping term: what dynamic sampling compares within a
-    group (eq. 11: the rule reward's +1 / -1 is its correctness; a --reward function's value;
-    a row without the part, its correctness)."""
-    return [parts.get("correct", float(right)) for parts, right in zip(batch.reward_parts, batch.correct)]
-
-
 def update_means(args):
     """The policy-gradient metrics logged as means per loss token."""
     return ["clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "ratio_mean",
@@ -61,7 +54,8 @@ def step_metrics(run, progress, collected, done, update_sums, update_maxima, sec
             "groups_sampled": sum(b.num_groups for b in sampled), "groups_kept": kept.num_groups,
             "groups_missing": args.prompts_per_step // run.world - kept.num_groups,
             "groups_carried": surplus.num_groups if surplus else 0,
-            "groups_with_signal": int(dapo.keep_groups(scores(kept), kept.group_sizes).sum()),
+            "groups_with_signal": int(dapo.keep_groups(dapo.task_scores(kept.reward_parts, kept.correct),
+                                                    kept.group_sizes).sum()),
             "update_tokens": sum(len(p) + len(t) for p, t in zip(kept.prompts, kept.tokens)),
             **update_sums}
     # The largest context of a turn, prompt and completion: what a turn's budget must hold.

@@ -7,8 +7,8 @@
     runs/NAME/final/                   the trained model (checkpoints.save_model)
     runs/NAME/run.lock                 who writes this run now (pid, host, since when)
 
-    python runs.py runs/NAME           # its learning curve, runs/NAME/curve.png
-    python runs.py runs/A runs/B ...   # compared: comparison.png, comparison.md
+    python run/runs.py runs/NAME           # its learning curve, runs/NAME/curve.png
+    python run/runs.py runs/A runs/B ...   # compared: comparison.png, comparison.md
 
 A checkpoint is written whole to a temporary file, read back, and only then renamed over the last
 one, which is kept as checkpoint-previous.pt: a crash at any moment leaves a complete checkpoint,
@@ -31,7 +31,10 @@ import sys
 import tempfile
 import time
 
-import torch
+if __name__ == "__main__":  # `python run/runs.py`: the repository's root on the path, not run/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
 
 CHECKPOINT, PREVIOUS_CHECKPOINT = "checkpoint.pt", "checkpoint-previous.pt"
 
@@ -118,6 +121,16 @@ def read_config(run_dir):
 def append_line(path, row):
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+def append_log(out, name, row):
+    """A line into one of the run's logs; a full disk ends the run in one line (on --resume the
+    steps after the last checkpoint run again, and a torn line is set aside: trim_log)."""
+    try:
+        append_line(os.path.join(out, name), row)
+    except OSError as error:
+        sys.exit(f"train.py: {out}/{name}: could not write ({error.strerror or error}); the last "
+                 f"checkpoint is whole: free some space and run python train.py --resume {out}")
 
 
 def read_lines(path):

@@ -23,13 +23,13 @@ the memory is what is learned, since the last page alone holds neither answer.
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from run import config
 import dapo
 import data
 import rewards
-from rollout import Completion, generate
+from rollout import Completion, Sampling, generate
 from tasks import tools as tool_calls
 
 # What each question asks (MemoryTask's `ask`): the total over every page, or the first page's
@@ -105,11 +105,13 @@ class Turn:
     text: str                # the completion decoded
 
 
-def play(model, tokenizer, records, num_samples, seeds, *, template, tools=(), **sampling):
+def play(model, tokenizer, records, num_samples, seeds, *, template, tools=(), sampling=Sampling(),
+         **options):
     """num_samples[i] episodes of records[i] (prompt-major), turn by turn: one rollout.generate
     call per turn over the episodes still going (an episode that ends leaves the batch); with
     `tools`, a reply is cut after its first call (tools.cut_at_call). seeds: an int or one per
-    record; `sampling`: generate's keywords (max_new_tokens is per turn).
+    record (in sampling's place); `sampling`: generate's (max_new_tokens is per turn); `options`:
+    generate's other keywords (engine, record_routing).
     -> per episode, its list of Turn"""
     counts = [num_samples] * len(records) if isinstance(num_samples, int) else list(num_samples)
     if isinstance(seeds, int):  # as generate reads an int seed
@@ -120,7 +122,7 @@ def play(model, tokenizer, records, num_samples, seeds, *, template, tools=(), *
     # Turn 0 shows each record's first prompt to its G episodes: one prefill per record.
     shown = {i: next_turn(records[r], 0, tools=tools) for i, r in enumerate(owner)}  # episode i's
     first = [data.format_prompt(next_turn(r, 0, tools=tools), tokenizer, template) for r in records]
-    completions = generate(model, first, num_samples=counts, seed=seeds, **sampling)
+    completions = generate(model, first, replace(sampling, seed=seeds), num_samples=counts, **options)
     turn, going, prompts = 0, list(range(len(owner))), [first[r] for r in owner]
     context = getattr(getattr(model, "config", None), "max_seq_len", float("inf"))
     while True:
@@ -133,14 +135,14 @@ def play(model, tokenizer, records, num_samples, seeds, *, template, tools=(), *
         shown = {i: next_turn(records[owner[i]], turn, turns[i][-1].text, tools) for i in going}
         prompts = {i: data.format_prompt(shown[i], tokenizer, template) for i in going if shown[i]}
         # A next turn that would not leave room for its reply ends the episode where it is.
-        going = [i for i in prompts if len(prompts[i]) + sampling.get("max_new_tokens", 256) <= context]
+        going = [i for i in prompts if len(prompts[i]) + sampling.max_new_tokens <= context]
         if not going:
             return turns
         prompts = [prompts[i] for i in going]
         # A seed per episode and turn: its samples do not depend on which others still run.
         turn_seeds = [random.Random(f"{seeds[owner[i]]}:{sample[i]}:{turn}").getrandbits(62)
                       for i in going]
-        completions = generate(model, prompts, num_samples=1, seed=turn_seeds, **sampling)
+        completions = generate(model, prompts, replace(sampling, seed=turn_seeds), **options)
 
 
 def play_and_reward(model, tokenizer, records, num_samples, seeds, args, stop_ids, reward_function=None):

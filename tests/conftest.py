@@ -223,3 +223,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def generate_args(**flat):
+    """rollout.generate's keyword arguments from one flat list, as the engine's tests write them:
+    the sampling's into Sampling, the engine's into EngineOptions with SpeedUps (always given, so
+    a call runs as train.py's do: on a CPU with no KV budget the kept rows, the packed products)."""
+    from engine.paged import EngineOptions
+    from engine.speedups import SpeedUps
+    from rollout import Sampling
+    take = lambda names: {k: flat.pop(k) for k in names if k in flat}  # noqa: E731
+    sampling = Sampling(**take(("max_new_tokens", "temperature", "top_p", "top_k",
+                                "stop_token_ids", "seed")))
+    speed = SpeedUps(**take(("compile", "cuda_graphs", "flex_attention")))
+    engine = EngineOptions(**take(("kv_budget", "max_rows", "block_size", "prefill_tokens")),
+                           speed=speed)
+    return dict(sampling=sampling, engine=engine, **flat)

@@ -1,4 +1,4 @@
-"""Tests for engine.py, the sampler's engine: the paged KV cache, continuous batching, budgets,
+"""Tests for engine/paged.py, the sampler's engine: the paged KV cache, continuous batching, budgets,
 preemption.
 
 Whatever the budget, the row cap or the block size, every sample is the one the sampler draws
@@ -13,6 +13,10 @@ from torch.nn.attention.flex_attention import flex_attention
 from conftest import FAMILIES, random_ids
 from rollout import generate
 from test_rollout import tiny  # noqa: F401 (the fixture: a family's tiny model, loaded once)
+from conftest import generate_args
+from engine.paged import EngineOptions
+from engine.speedups import SpeedUps
+from rollout import Sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -51,10 +55,10 @@ def test_all_rows_at_once_equal_each_prompt_alone(tiny, family):
     prompts = prompts_of(model)
     for kw in SAMPLING:
         kw = dict(num_samples=3, max_new_tokens=24, compile=False, record_routing=True, **kw)
-        together = generate(model, prompts, **kw)
+        together = generate(model, prompts, **generate_args(**kw))
         for i, prompt in enumerate(prompts):
             seed = kw.get("seed", 0) * 1_000_003 + i  # the seed generate gives prompt i
-            alone = generate(model, [prompt], **{**kw, "seed": [seed]})
+            alone = generate(model, [prompt], **generate_args(**{**kw, "seed": [seed]}))
             assert_same(alone, together[3 * i:3 * i + 3])
             for a, b in zip(alone, together[3 * i:3 * i + 3]):
                 assert (a.routing is None) == (model.config.num_experts == 0)
@@ -71,11 +75,11 @@ def test_budgets_and_row_caps_keep_every_sample(tiny, family, limits):
     prompts = prompts_of(model)
     kw = dict(num_samples=3, max_new_tokens=40, temperature=1.0, seed=5, stop_token_ids=[9, 17],
               compile=False, record_routing=True)
-    want = generate(model, prompts, **kw)
+    want = generate(model, prompts, **generate_args(**kw))
     stats = {}
     blocks = limits.get("blocks")
-    got = generate(model, prompts, kv_budget=budget(model, blocks) if blocks else None,
-                   max_rows=limits.get("max_rows"), stats=stats, **kw)
+    got = generate(model, prompts, **generate_args(kv_budget=budget(model, blocks) if blocks else None,
+                   max_rows=limits.get("max_rows"), stats=stats, **kw))
     assert_same(got, want)
     assert [c.prompt_index for c in got] == [c.prompt_index for c in want]
     for a, b in zip(got, want):
@@ -92,8 +96,8 @@ def test_block_sizes_keep_every_sample(tiny, block_size):
     prompts = prompts_of(model)
     kw = dict(num_samples=2, max_new_tokens=30, temperature=1.0, seed=6, compile=False)
     stats = {}
-    assert_same(generate(model, prompts, block_size=block_size, stats=stats, **kw),
-                generate(model, prompts, **kw))
+    assert_same(generate(model, prompts, **generate_args(block_size=block_size, stats=stats, **kw)),
+                generate(model, prompts, **generate_args(**kw)))
     assert stats["blocks_in_use"] == 0
 
 
@@ -105,7 +109,7 @@ def test_kept_rows_equal_a_gather_at_every_step(tiny, family, monkeypatch):
     that stop, rows that join mid-decode (a row cap), one-position blocks (the tables widen at
     every step), soft caps and sliding windows. It gathers again only when the rows change or
     their tables widen, and is not taken under a budget."""
-    from engine import paged as engine
+    from engine import speedups
     from model import PagedKVCache
     from engine.speed import KeptRowsKVCache
     caches = []
@@ -114,7 +118,7 @@ def test_kept_rows_equal_a_gather_at_every_step(tiny, family, monkeypatch):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             caches.append(self)
-    monkeypatch.setattr(engine, "KeptRowsKVCache", Recorded)
+    monkeypatch.setattr(speedups, "KeptRowsKVCache", Recorded)
     model = tiny(family)
     prompts, layers = prompts_of(model), model.config.num_layers
     for limits in (dict(stop_token_ids=[9, 17, 30]), dict(max_rows=4, stop_token_ids=[9]),
@@ -122,18 +126,20 @@ def test_kept_rows_equal_a_gather_at_every_step(tiny, family, monkeypatch):
         kw = dict(num_samples=3, max_new_tokens=30, temperature=1.0, seed=7, compile=False,
                   record_routing=True, **limits)
         stats = {}
-        got = generate(model, prompts, stats=stats, **kw)
+        got = generate(model, prompts, **generate_args(stats=stats, **kw))
         with monkeypatch.context() as gathering:
-            gathering.setattr(engine, "KeptRowsKVCache", PagedKVCache)
-            want = generate(model, prompts, **kw)
+            gathering.setattr(speedups, "KeptRowsKVCache", PagedKVCache)
+            want = generate(model, prompts, **generate_args(**kw))
         assert_same(got, want)
         for a, b in zip(got, want):
             assert a.routing is None or torch.equal(a.routing, b.routing)
         assert layers <= caches[-1].gathers <= layers * stats["decode_steps"], limits
     # Every row to the limit, lengths 3 to 20 + 30 positions: widening at 32 and 48, gathered 3 times
-    generate(model, prompts, num_samples=3, max_new_tokens=30, temperature=1.0, compile=False)
+    generate(model, prompts, Sampling(max_new_tokens=30, temperature=1.0), num_samples=3,
+             engine=EngineOptions(speed=SpeedUps(compile=False)))
     assert caches[-1].gathers == 3 * layers
-    generate(model, prompts, num_samples=3, max_new_tokens=30, kv_budget=budget(model, 40))
+    generate(model, prompts, Sampling(max_new_tokens=30), num_samples=3,
+             engine=EngineOptions(kv_budget=budget(model, 40), speed=SpeedUps()))
     assert len(caches) == 4  # under a budget the pool alone
 
 
@@ -157,8 +163,8 @@ def test_flex_attention_reads_the_pool_as_the_gather_does(tiny, family, monkeypa
         kw = dict(num_samples=3, max_new_tokens=30, temperature=1.0, seed=11, compile=False,
                   record_routing=True, **limits)
         stats = {}
-        got = generate(model, prompts, flex_attention=True, stats=stats, **kw)
-        want = generate(model, prompts, **kw)
+        got = generate(model, prompts, **generate_args(flex_attention=True, stats=stats, **kw))
+        want = generate(model, prompts, **generate_args(**kw))
         assert_same(got, want)
         for a, b in zip(got, want):
             assert a.routing is None or torch.equal(a.routing, b.routing)
@@ -176,8 +182,8 @@ def test_flex_attention_in_a_compiled_step(tiny):
     model = tiny("llama3")
     prompts = prompts_of(model, (4, 9, 13))
     kw = dict(num_samples=3, max_new_tokens=20, temperature=1.0, seed=3)
-    assert_same(generate(model, prompts, compile=True, flex_attention=True, **kw),
-                generate(model, prompts, compile=False, **kw))
+    assert_same(generate(model, prompts, **generate_args(compile=True, flex_attention=True, **kw)),
+                generate(model, prompts, **generate_args(compile=False, **kw)))
 
 
 def test_flex_block_mask_by_hand():
@@ -264,7 +270,8 @@ def test_a_prompt_is_prefilled_once_for_its_samples(tiny):
     model = tiny("llama3")
     prompts = prompts_of(model)
     stats = {}
-    generate(model, prompts, num_samples=8, max_new_tokens=5, temperature=1.0, stats=stats)
+    generate(model, prompts, Sampling(max_new_tokens=5, temperature=1.0), num_samples=8,
+             engine=EngineOptions(speed=SpeedUps()), stats=stats)
     assert stats["prefill_tokens"] == sum(map(len, prompts))
     # Blocks at the peak: each prompt's one shared block (all under 16 tokens but the last, 2),
     # plus at most one block of its own per sample.
@@ -279,12 +286,12 @@ def test_a_budget_16x_below_the_static_cache(tiny):
     kw = dict(num_samples=8, max_new_tokens=52, temperature=1.0, seed=7, stop_token_ids=[],
               compile=False)
     stats = {}
-    got = generate(model, prompts, kv_budget=budget(model, 9, 8), block_size=8, stats=stats, **kw)
+    got = generate(model, prompts, **generate_args(kv_budget=budget(model, 9, 8), block_size=8, stats=stats, **kw))
     static_bytes = 32 * (12 + 52) * stats["block_bytes"] // 8
     assert static_bytes >= 16 * stats["pool_blocks"] * stats["block_bytes"]
     assert stats["peak_blocks"] * stats["block_bytes"] <= static_bytes / 16
     assert stats["preemptions"] > 0
-    assert_same(got, generate(model, prompts, **kw))
+    assert_same(got, generate(model, prompts, **generate_args(**kw)))
 
 
 def test_on_cuda_the_pool_leaves_the_decode_steps_memory_free(tiny, monkeypatch):
@@ -310,7 +317,8 @@ def test_on_cuda_the_pool_leaves_the_decode_steps_memory_free(tiny, monkeypatch)
         assert blocks == int(0.9 * (free - working) // block_bytes) < 1 + 128 * 5, (rows, graphs)
         # FlexAttention's maps: 4 bytes a block in `place` and in each row's list (under graphs
         # again in their pool, 32 padded rows), for the one kind of layer
-        flex = engine.pool_blocks(stand_in, prompts, counts, 64, 16, None, rows, graphs, True)
+        flex = engine.pool_blocks(stand_in, prompts, counts, 64, 16, None, rows, graphs,
+                                  flex_decode.FlexPagedKVCache)
         maps = 4 * (1 + 24) + 4 * (1 + 32) if graphs else 4 * (1 + 128)
         assert flex == int(0.9 * (free - working) // (block_bytes + maps)) < blocks
     assert engine.decode_working_bytes(cfg, 24, True) == (24 + 32) * cfg.vocab_size * 12
@@ -328,7 +336,7 @@ def test_prompts_added_as_groups_end_keep_every_sample(tiny, limits):
     kw = dict(num_samples=3, max_new_tokens=30, temperature=1.0, stop_token_ids=[9, 17, 30],
               compile=False, record_routing=True)
     seeds = [11, 12, 13, 21, 22, 23]
-    want = generate(model, first + later, seed=seeds, **kw)
+    want = generate(model, first + later, **generate_args(seed=seeds, **kw))
     reported = []
 
     def on_group(index, completions):
@@ -337,9 +345,9 @@ def test_prompts_added_as_groups_end_keep_every_sample(tiny, limits):
             return later, [3] * len(later), seeds[3:]
     stats = {}
     blocks = limits.get("blocks")
-    got = generate(model, first, seed=seeds[:3], on_group=on_group, stats=stats,
+    got = generate(model, first, **generate_args(seed=seeds[:3], on_group=on_group, stats=stats,
                    kv_budget=budget(model, blocks) if blocks else None,
-                   max_rows=limits.get("max_rows"), **kw)
+                   max_rows=limits.get("max_rows"), **kw))
     assert_same(got, want)
     assert [c.prompt_index for c in got] == [i for i in range(6) for _ in range(3)]
     for a, b in zip(got, want):
@@ -379,8 +387,8 @@ def test_host_tables_follow_every_change(tiny, monkeypatch, block_size, blocks):
     kw = dict(num_samples=3, max_new_tokens=30, temperature=1.0, seed=[5, 6, 9],
               stop_token_ids=[9, 17], compile=False, block_size=block_size)
     stats = {}
-    got = generate(model, prompts_of(model, (7, 12, 5)), on_group=on_group, stats=stats,
-                   kv_budget=budget(model, blocks, block_size), **kw)
+    got = generate(model, prompts_of(model, (7, 12, 5)), **generate_args(on_group=on_group, stats=stats,
+                   kv_budget=budget(model, blocks, block_size), **kw))
     assert len(got) == 15 and stats["preemptions"] > 0 and copies, stats
     assert widths[0] < widths[-1]  # the later prompt of 22 widened the host tables
 
@@ -389,13 +397,13 @@ def test_added_prompts_are_checked_like_the_first(tiny):
     model = tiny("llama3")
     kw = dict(max_new_tokens=40, kv_budget=budget(model, 5))  # the pool: 4, what the first needs
     with pytest.raises(ValueError, match="num_samples must be an int >= 1"):
-        generate(model, [[5] * 3], on_group=lambda i, c: ([[6] * 3], [0], [1]), **kw)
+        generate(model, [[5] * 3], **generate_args(on_group=lambda i, c: ([[6] * 3], [0], [1]), **kw))
     with pytest.raises(ValueError, match="on_group's seeds must be one int per prompt, got 3"):
-        generate(model, [[5] * 3], on_group=lambda i, c: ([[6] * 3], [1], 3), **kw)
+        generate(model, [[5] * 3], **generate_args(on_group=lambda i, c: ([[6] * 3], [1], 3), **kw))
     with pytest.raises(ValueError, match="generate: prompt 0 is empty"):
-        generate(model, [[5] * 3], on_group=lambda i, c: ([[]], [1], [1]), **kw)
+        generate(model, [[5] * 3], **generate_args(on_group=lambda i, c: ([[]], [1], [1]), **kw))
     with pytest.raises(ValueError, match=r"needs 5 blocks of 16 positions .* holds 4 blocks"):
-        generate(model, [[5] * 3], on_group=lambda i, c: ([[6] * 30], [1], [1]), **kw)
+        generate(model, [[5] * 3], **generate_args(on_group=lambda i, c: ([[6] * 30], [1], [1]), **kw))
 
 
 @pytest.mark.parametrize("family", ["llama3", "gemma3"])
@@ -403,7 +411,7 @@ def test_decode_padded_to_buckets_keeps_every_sample(tiny, family, monkeypatch):
     """cuda_graphs=True off a GPU: every decode step padded to a bucket of rows and blocks, as the
     captured graphs replay it (padding rows through the scratch block), gives the same samples;
     rows stop at their own lengths, so the row count crosses buckets."""
-    import rollout
+    from engine import speedups
     from engine.cuda_graphs import bucket, pad_inputs
     assert [bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
     fed, tables = torch.tensor([5, 6, 7]), torch.tensor([[1, 2], [3, 0], [4, 5]])
@@ -412,12 +420,13 @@ def test_decode_padded_to_buckets_keeps_every_sample(tiny, family, monkeypatch):
         [1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 0, 0], [0, 0, 0, 0]]
     model = tiny(family)
     prompts = prompts_of(model)
-    shapes, real = set(), rollout.decode_step  # (rows, blocks) of every step the model runs
-    monkeypatch.setattr(rollout, "decode_step", lambda model, fed, start, tables, *rest: (
+    shapes, real = set(), speedups.decode_step  # (rows, blocks) of every step the model runs
+    monkeypatch.setattr(speedups, "decode_step", lambda model, fed, start, tables, *rest: (
         shapes.add(tuple(tables.shape)) or real(model, fed, start, tables, *rest)))
     for kw in SAMPLING:
         kw = dict(num_samples=3, max_new_tokens=40, compile=False, **kw)
-        assert_same(generate(model, prompts, cuda_graphs=True, **kw), generate(model, prompts, **kw))
+        assert_same(generate(model, prompts, **generate_args(cuda_graphs=True, **kw)),
+                    generate(model, prompts, **generate_args(**kw)))
     padded = {s for s in shapes if bucket(s[0]) == s[0] and bucket(s[1]) == s[1]}
     assert len(padded) >= 2 and any(s not in padded for s in shapes)  # the plain call's too
 
@@ -428,11 +437,13 @@ def test_padded_steps_count_their_buckets(tiny):
     3 rows pad to 4; a prompt of 2 in blocks of 4 and 13 new tokens feed positions 2 to 13, in
     tables of 1, 2, 3 and 4 blocks: buckets (4, 1), (4, 2), (4, 4)."""
     model, stats = tiny("llama3"), {}
-    out = generate(model, [[5, 6]], num_samples=3, max_new_tokens=13, block_size=4, seed=1,
-                   cuda_graphs=True, compile=False, stats=stats)
+    out = generate(model, [[5, 6]], Sampling(max_new_tokens=13, seed=1), num_samples=3,
+                   engine=EngineOptions(block_size=4, speed=SpeedUps(cuda_graphs=True, compile=False)),
+                   stats=stats)
     assert [len(c.tokens) for c in out] == [13] * 3 and stats["decode_steps"] == 12
     assert stats["graph_buckets"] == 3 and stats["capture_seconds"] == 0.0
-    generate(model, [[5, 6]], max_new_tokens=9, block_size=4, stats=(plain := {}))
+    generate(model, [[5, 6]], Sampling(max_new_tokens=9),
+             engine=EngineOptions(block_size=4, speed=SpeedUps()), stats=(plain := {}))
     assert "graph_buckets" not in plain
 
 
@@ -451,17 +462,18 @@ def test_compiled_blocks_make_one_graph_for_every_layer(tiny, family, monkeypatc
     monkeypatch.setattr(cuda_graphs, "compiled_block", lambda: lambda *a: calls.append(1) or
                         compiled(*a))
     from rollout import sample_tokens, step_uniforms  # the draw eager here (compiled: below)
-    monkeypatch.setattr(cuda_graphs, "compiled_sampling", lambda: lambda logits, keys, draws, *s:
+    monkeypatch.setattr(cuda_graphs, "compiled_sampling", lambda *draw: lambda logits, keys, draws, *s:
                         sample_tokens(logits, step_uniforms(keys, draws), *s))
     model = tiny(family)
     prompts = prompts_of(model)[:2]  # 2 prompts x 3 rows: one row bucket of 8, then fewer
-    generate(model, prompts, num_samples=3, max_new_tokens=2, compile=True,
-             cuda_graphs=True)  # the prefill draws the first token, one decode step the second
+    # the prefill draws the first token, one decode step the second
+    generate(model, prompts, Sampling(max_new_tokens=2), num_samples=3,
+             engine=EngineOptions(speed=SpeedUps(compile=True, cuda_graphs=True)))
     assert counter.frame_count == 1 and len(calls) == model.config.num_layers == 3
     for kw in SAMPLING:
         kw = dict(num_samples=3, max_new_tokens=30, **kw)
-        assert_same(generate(model, prompts, compile=True, cuda_graphs=True, **kw),
-                    generate(model, prompts, compile=False, **kw))
+        assert_same(generate(model, prompts, **generate_args(compile=True, cuda_graphs=True, **kw)),
+                    generate(model, prompts, **generate_args(compile=False, **kw)))
     assert counter.frame_count <= 4  # a bucket of 1 row or 1 block is specialised: recompiled
     assert all("forward" not in vars(layer) for layer in model.layers)  # swapped back after
 
@@ -469,17 +481,19 @@ def test_compiled_blocks_make_one_graph_for_every_layer(tiny, family, monkeypatc
 def test_compiled_blocks_refuse_what_reads_the_layer_index(tiny):
     """FlexAttention's cache and an MoE's routing read a layer's index, which a compiled block
     does not see: generate refuses flex_attention with compile and cuda_graphs before any work,
-    and CompiledBlocks refuses an MoE (rollout.step_function keeps one eager)."""
+    and CompiledBlocks refuses an MoE (speedups.step_function keeps one eager)."""
     from engine.cuda_graphs import CompiledBlocks
     from model import PagedKVCache
+    from rollout import sample_tokens, step_uniforms
     model = tiny("llama3")
     with pytest.raises(ValueError, match="flex_attention with compile and cuda_graphs: one or"):
-        generate(model, prompts_of(model), compile=True, cuda_graphs=True, flex_attention=True,
-                 max_new_tokens=4)
+        speed = SpeedUps(compile=True, cuda_graphs=True, flex_attention=True)
+        generate(model, prompts_of(model), Sampling(max_new_tokens=4), engine=EngineOptions(speed=speed))
     moe = tiny("qwen3_moe")
     with pytest.raises(ValueError, match="PagedKVCache and an MoE cannot"):
         cache = PagedKVCache(moe.config, 4, 16, torch.float32, "cpu")
-        CompiledBlocks()(moe, None, None, None, cache, None, None, 1.0, 1.0, 0)
+        CompiledBlocks(sample_tokens, step_uniforms)(moe, None, None, None, cache, None, None,
+                                                     1.0, 1.0, 0)
 
 
 @pytest.mark.slow
@@ -493,18 +507,19 @@ def test_compiled_blocks_under_inductor_keep_every_sample(tiny):
     prompts = prompts_of(model)
     for kw in SAMPLING:
         kw = dict(num_samples=3, max_new_tokens=30, **kw)
-        assert_same(generate(model, prompts, compile=True, cuda_graphs=True, **kw),
-                    generate(model, prompts, compile=False, **kw))
+        assert_same(generate(model, prompts, **generate_args(compile=True, cuda_graphs=True, **kw)),
+                    generate(model, prompts, **generate_args(compile=False, **kw)))
     assert counters["stats"]["unique_graphs"] > before
 
 
 def test_a_row_that_cannot_fit_alone_is_refused_before_any_work(tiny):
     model = tiny("llama3")
     with pytest.raises(ValueError, match=r"needs 4 blocks of 16 positions .* holds 4 blocks, one of them scratch"):
-        generate(model, [[5] * 20], max_new_tokens=40, kv_budget=budget(model, 4))
+        generate(model, [[5] * 20], Sampling(max_new_tokens=40),
+                 engine=EngineOptions(kv_budget=budget(model, 4), speed=SpeedUps()))
     for bad in (dict(block_size=0), dict(max_rows=0), dict(prefill_tokens=0)):
         with pytest.raises(ValueError, match="block_size, prefill_tokens and max_rows"):
-            generate(model, [[5, 6]], max_new_tokens=4, **bad)
+            generate(model, [[5, 6]], **generate_args(max_new_tokens=4, **bad))
 
 
 def test_prefill_in_chunks_keeps_every_sample(tiny):
@@ -514,8 +529,8 @@ def test_prefill_in_chunks_keeps_every_sample(tiny):
     prompts = prompts_of(model, lengths=(7, 30, 3, 19))
     kw = dict(num_samples=2, max_new_tokens=12, temperature=1.0, seed=8, compile=False)
     stats = {}
-    assert_same(generate(model, prompts, prefill_tokens=5, stats=stats, **kw),
-                generate(model, prompts, **kw))
+    assert_same(generate(model, prompts, **generate_args(prefill_tokens=5, stats=stats, **kw)),
+                generate(model, prompts, **generate_args(**kw)))
     assert stats["prefill_tokens"] == 59
 
 

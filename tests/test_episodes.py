@@ -35,7 +35,7 @@ def scripted_model(reply):
     prompt and sample; every call's prompts are recorded."""
     calls = []
 
-    def generate(model, prompts, *, num_samples=1, seed=0, **sampling):
+    def generate(model, prompts, sampling=None, *, num_samples=1, **options):
         counts = [num_samples] * len(prompts) if isinstance(num_samples, int) else num_samples
         texts = ["".join(map(chr, p)) for p in prompts]
         calls.append(texts)

@@ -14,6 +14,10 @@ from rollout import generate
 from test_model import max_diff
 from test_train import (assert_close_runs, digit_checkpoint, digit_data, flags, kill_then_resume,
                         run_train, torchrun)
+from conftest import generate_args
+from engine.paged import EngineOptions
+from engine.speedups import SpeedUps
+from rollout import Sampling
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = "cuda"
@@ -69,8 +73,9 @@ def test_cuda_decode_equals_full_forward(checkpoints, family):
     full forward over each growing sequence."""
     ours = load_model(checkpoints(family), dtype=torch.float32, device=CUDA)[0]
     prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (5, 11)]
-    out = generate(ours, prompts, num_samples=1, max_new_tokens=24, temperature=0.0,
-                   stop_token_ids=[], seed=0, compile=False)
+    out = generate(ours, prompts,
+                   Sampling(max_new_tokens=24, temperature=0.0, stop_token_ids=[], seed=0),
+                   num_samples=1, engine=EngineOptions(speed=SpeedUps(compile=False)))
     for prompt, completion in zip(prompts, out):
         ids = list(prompt)
         with torch.no_grad():
@@ -87,8 +92,9 @@ def test_cuda_compiled_sampler_equals_eager(checkpoints, dtype):
     ours = load_model(checkpoints("llama3"), dtype=dtype, device=CUDA)[0]
     prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (4, 9, 13)]
     for temperature in (0.0, 1.0):
-        runs = [generate(ours, prompts, num_samples=3, max_new_tokens=40, temperature=temperature,
-                         stop_token_ids=[3], seed=7, compile=compiled) for compiled in (False, True)]
+        runs = [generate(ours, prompts,
+                         Sampling(max_new_tokens=40, temperature=temperature, stop_token_ids=[3], seed=7),
+                         num_samples=3, engine=EngineOptions(speed=SpeedUps(compile=compiled))) for compiled in (False, True)]
         eager, compiled = ([c.tokens for c in run] for run in runs)
         if dtype == torch.float32 or temperature == 0.0:
             assert eager == compiled
@@ -105,15 +111,17 @@ def test_cuda_graphs_sampler_equals_eager(checkpoints, dtype, monkeypatch):
     eager's greedy tokens and samples: the same kernels on padded inputs, replayed. Rows stop
     at their own lengths, so the row count crosses buckets and several graphs are captured."""
     from engine.cuda_graphs import BucketedStep
-    import rollout
+    from engine import speedups
     ours = load_model(checkpoints("qwen2"), dtype=dtype, device=CUDA)[0]
     prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (4, 9, 13, 30)]
-    steps, real = [], rollout.step_function
-    monkeypatch.setattr(rollout, "step_function", lambda *args: steps.append(real(*args)) or steps[-1])
+    steps, real = [], speedups.step_function
+    monkeypatch.setattr(speedups, "step_function", lambda *args: steps.append(real(*args)) or steps[-1])
     stats = {}
     for temperature in (0.0, 1.0):
-        runs = [generate(ours, prompts, num_samples=5, max_new_tokens=60, temperature=temperature,
-                         stop_token_ids=[3, 7, 11], seed=7, compile=False, cuda_graphs=graphs,
+        runs = [generate(ours, prompts,
+                         Sampling(max_new_tokens=60, temperature=temperature, stop_token_ids=[3, 7, 11], seed=7),
+                         num_samples=5,
+                         engine=EngineOptions(speed=SpeedUps(compile=False, cuda_graphs=graphs)),
                          stats=stats)
                 for graphs in (False, True)]
         eager, graphed = ([c.tokens for c in run] for run in runs)
@@ -134,9 +142,9 @@ def test_cuda_graphs_with_a_lora_sampler(checkpoints, monkeypatch):
     from engine.cuda_graphs import BucketedStep
     from variants.lora import add_lora
     from test_model import randomise_lora_
-    import rollout
-    steps, real = [], rollout.step_function
-    monkeypatch.setattr(rollout, "step_function", lambda *args: steps.append(real(*args)) or steps[-1])
+    from engine import speedups
+    steps, real = [], speedups.step_function
+    monkeypatch.setattr(speedups, "step_function", lambda *args: steps.append(real(*args)) or steps[-1])
     ours = add_lora(load_model(checkpoints("qwen2"), dtype=torch.float32, device=CUDA)[0], rank=4)
     prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (4, 9, 13)]
     kw = dict(num_samples=4, max_new_tokens=40, temperature=1.0, stop_token_ids=[3, 7, 11],
@@ -144,7 +152,7 @@ def test_cuda_graphs_with_a_lora_sampler(checkpoints, monkeypatch):
     drawn = []
     for adapters in (0, 1):  # two updates of the same adapters, in place
         randomise_lora_(ours, seed=adapters, scale=0.5)
-        eager, graphed = ([c.tokens for c in generate(ours, prompts, cuda_graphs=graphs, **kw)]
+        eager, graphed = ([c.tokens for c in generate(ours, prompts, **generate_args(cuda_graphs=graphs, **kw))]
                           for graphs in (False, True))
         assert eager == graphed, adapters
         drawn.append(eager)
@@ -167,7 +175,7 @@ def test_cuda_graphs_with_compiled_blocks_equal_eager(checkpoints, family):
     runs, peaks, stats, graphs = [], [], {}, counters["stats"]["unique_graphs"]
     for compiled in (False, True):
         torch.cuda.reset_peak_memory_stats()
-        runs.append([c.tokens for c in generate(ours, prompts, compile=compiled, stats=stats, **kw)])
+        runs.append([c.tokens for c in generate(ours, prompts, **generate_args(compile=compiled, stats=stats, **kw))])
         peaks.append(torch.cuda.max_memory_allocated())
     assert sum(a == b for a, b in zip(*runs)) >= len(runs[0]) - 1
     assert stats["graph_buckets"] > 1 and counters["stats"]["unique_graphs"] > graphs
@@ -183,10 +191,10 @@ def test_cuda_flex_attention_equals_the_gathered_decode(checkpoints, family):
     prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (4, 9, 13, 30)]
     kw = dict(num_samples=5, max_new_tokens=60, temperature=1.0, stop_token_ids=[3, 7, 11],
               seed=7, compile=False)
-    gathered = [c.tokens for c in generate(ours, prompts, **kw)]
+    gathered = [c.tokens for c in generate(ours, prompts, **generate_args(**kw))]
     for graphs in (False, True):
-        flex = [c.tokens for c in generate(ours, prompts, flex_attention=True, cuda_graphs=graphs,
-                                           **kw)]
+        flex = [c.tokens for c in generate(ours, prompts, **generate_args(flex_attention=True, cuda_graphs=graphs,
+                                           **kw))]
         assert sum(a == b for a, b in zip(gathered, flex)) >= len(gathered) - 1, graphs
 
 
@@ -196,8 +204,8 @@ def test_cuda_compiled_step_with_flex_attention(checkpoints):
     ours = load_model(checkpoints("qwen2"), dtype=torch.float32, device=CUDA)[0]
     prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (4, 9, 13)]
     kw = dict(num_samples=3, max_new_tokens=30, temperature=1.0, seed=5)
-    want = [c.tokens for c in generate(ours, prompts, compile=False, **kw)]
-    got = [c.tokens for c in generate(ours, prompts, compile=True, flex_attention=True, **kw)]
+    want = [c.tokens for c in generate(ours, prompts, **generate_args(compile=False, **kw))]
+    got = [c.tokens for c in generate(ours, prompts, **generate_args(compile=True, flex_attention=True, **kw))]
     assert sum(a == b for a, b in zip(want, got)) >= len(want) - 1
 
 
@@ -209,9 +217,10 @@ def test_cuda_sampler_seeded_samples_equal_the_cpus(checkpoints):
     for device in ("cpu", CUDA):
         model = load_model(path, dtype=torch.float32, device=device)[0]
         prompts = [random_ids(1, n, model.config.vocab_size, seed=n)[0].tolist() for n in (6, 10)]
-        rows.append([c.tokens for c in generate(model, prompts, num_samples=4, max_new_tokens=32,
-                                                temperature=1.0, stop_token_ids=[], seed=11,
-                                                compile=False)])
+        rows.append([c.tokens for c in generate(model, prompts,
+                                                Sampling(max_new_tokens=32, temperature=1.0, stop_token_ids=[], seed=11),
+                                                num_samples=4,
+                                                engine=EngineOptions(speed=SpeedUps(compile=False)))])
     assert sum(a == b for a, b in zip(*rows)) >= len(rows[0]) - 1
 
 

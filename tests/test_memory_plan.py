@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, ROOT, tiny_config
-from run import checkpoints
-from run import config
+from run import checkpoints, config, launch
 from run import memory_plan as mp
 from variants.lora import add_lora
 from model import PagedKVCache, Transformer
@@ -185,7 +184,7 @@ def test_the_readme_gpu_commands_fit_an_80gb_gpu_on_paper(tmp_path, monkeypatch,
         argv = [str(directory) if a == model else a for a in argv]
         args, _ = config.parse_config(argv + ["--plan-only", "80"])
         monkeypatch.setenv("WORLD_SIZE", str(ranks))
-        status = mp.plan_only(args)
+        status = mp.plan_only(args, launch.load_data)
         printed = capsys.readouterr().out
         assert status == 0 and printed.rstrip().endswith("fits"), (argv, printed)
         assert f"({ranks} rank(s), GPUs of 80.00 GiB" in printed and "prompts at their bound" in printed
@@ -195,7 +194,7 @@ def test_plan_only_exits_1_when_the_gpu_is_too_small(tmp_path, monkeypatch, caps
     (tmp_path / "config.json").write_text(json.dumps(qwen25_config("7B")))
     monkeypatch.setenv("WORLD_SIZE", "1")
     args, _ = config.parse_config(["--model", str(tmp_path), "--plan-only", "80"])
-    assert mp.plan_only(args) == 1
+    assert mp.plan_only(args, launch.load_data) == 1
     printed = capsys.readouterr().out
     assert "does not fit 80.00 GiB a rank" in printed and "AdamW moments" in printed
 
@@ -227,4 +226,4 @@ def test_plan_only_names_a_bad_world_size(tmp_path, monkeypatch):
     for bad in ("0", "eight", "-2"):
         monkeypatch.setenv("WORLD_SIZE", bad)
         with pytest.raises(SystemExit, match=f"WORLD_SIZE ranks: a whole number >= 1, got '{bad}'"):
-            mp.plan_only(args)
+            mp.plan_only(args, launch.load_data)

@@ -113,7 +113,7 @@ def test_a_recipe_runs_end_to_end_at_a_tiny_size(name, size, tmp_path):
 
 @pytest.mark.parametrize("study", ["grpo-vs-dpo", "objectives"])
 def test_the_measurements_table_is_what_the_committed_logs_give(study):
-    """The studies' logs are committed (assets/STUDY-cpu/): the table that `python runs.py`
+    """The studies' logs are committed (assets/STUDY-cpu/): the table that `python run/runs.py`
     makes of them is MEASUREMENTS.md's, row for row."""
     from run import runs
     run_dirs = sorted((ROOT / "assets" / f"{study}-cpu").glob("*-s?"))
@@ -136,7 +136,7 @@ def test_same_run_refuses_bad_input_in_one_line(tmp_path):
 
 def test_engine_host_times_both_checkouts_and_refuses_bad_input(tmp_path):
     """recipes/engine-host.py against this checkout at a tiny size: each checkout's host
-    milliseconds a decode step, round by round; a checkout without engine.py, or rows that are
+    milliseconds a decode step, round by round; a checkout without engine/paged.py, or rows that are
     not a multiple of 16, is one clear line before any work."""
     script = [sys.executable, str(ROOT / "recipes" / "engine-host.py")]
     proc = subprocess.run(script + [str(ROOT), "--rows", "16", "--prompt", "5", "--new-tokens",

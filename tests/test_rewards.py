@@ -21,7 +21,7 @@ from run import launch  # noqa: E402
 import rewards  # noqa: E402
 from tasks import verify  # noqa: E402
 from rewards import (  # noqa: E402
-    format_reward, math_reward, overlong_penalty, perplexity_penalty, xml_terms,
+    format_reward, math_reward, overlong_penalty, perplexity_penalty, rule_reward, xml_terms,
 )
 from tasks.verify import answers_equal, extract_answer, is_correct, normalize_answer  # noqa: E402
 
@@ -450,6 +450,39 @@ def test_format_unknown_style():
 
 
 # ---------------------------------------------------------------------------------------------
+# rule_reward: eq. 7 alone
+
+
+@pytest.mark.parametrize("response, truth, expected", [
+    ("2 + 40 = 42\nAnswer: 42", "42", 1.0),  # right
+    ("Answer: 41", "42", -1.0),  # wrong
+    ("I am not sure.", "42", -1.0),  # no answer: scored as wrong
+    ("so the result is $\\boxed{\\frac{1}{2}}$", "0.5", 1.0),  # a boxed answer, equivalent
+    ("\\boxed{3}", "4", -1.0),
+])
+def test_rule_reward_vectors(response, truth, expected):
+    assert rule_reward(response, truth) == expected
+
+
+def test_rule_reward_custom_values():
+    assert rule_reward("Answer: 7", "7", correct=2.0, wrong=0.0) == 2.0  # GSM8K's XML recipe
+    assert rule_reward("Answer: 8", "7", correct=2.0, wrong=0.0) == 0.0
+    assert rule_reward("Answer: 8", "7", 0.5, -0.5) == -0.5
+
+
+@pytest.mark.parametrize("correct, wrong", [(1.0, -1.0), (2.0, 0.0), (0.5, 0.5)])
+def test_math_reward_correctness_is_rule_reward(correct, wrong):
+    """math_reward's "correct" term is rule_reward's value and its "accuracy" is eq. 7's verdict,
+    also when correct == wrong (the value then says nothing)."""
+    for response, truth in [("Answer: 5", "5"), ("Answer: 6", "5"), ("no idea", "5"),
+                            ("\\boxed{\\sqrt{12}}", "2\\sqrt{3}"), ("#### 1,000", "1000"),
+                            (None, "5"), ("Answer: 5", 5)]:
+        _, c = math_reward(response, truth, correct=correct, wrong=wrong)
+        assert c["correct"] == rule_reward(response, truth, correct, wrong)
+        assert c["accuracy"] == rule_reward(response, truth, 1.0, 0.0) == float(is_correct(response, truth))
+
+
+# ---------------------------------------------------------------------------------------------
 # math_reward
 
 KEYS = {"correct", "accuracy", "extracted", "format", "format_ok", "integer", "xml_count", "overlong", "ppl"}
@@ -522,9 +555,9 @@ def test_source_never_evaluates_text(module):
         if isinstance(n, ast.Import):
             imported |= {a.name.split(".")[0] for a in n.names}
         elif isinstance(n, ast.ImportFrom):
-            imported.add(n.module.split(".")[0])
+            imported.add(n.module)  # whole: of tasks/, rewards.py may take verify only
     assert imported <= {"__future__", "cmath", "math", "random", "re", "fractions", "decimal", "itertools",
-                        "unicodedata", "sys", "verify"}
+                        "unicodedata", "sys", "tasks.verify"}
 
 
 # ---------------------------------------------------------------------------------------------

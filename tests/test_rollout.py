@@ -5,15 +5,19 @@ and bad input."""
 
 import copy
 import math
+import os
 
 import pytest
 import torch
 
-from conftest import FAMILIES, random_ids
+from conftest import FAMILIES, ROOT, generate_args, random_ids
 from run.checkpoints import load_model
 from model import token_logprobs
 from rollout import (Completion, generate, inverse_cdf, sample_keys, sample_tokens,
                      step_uniforms)
+from engine.paged import EngineOptions
+from engine.speedups import SpeedUps
+from rollout import Sampling
 
 LP_TOL = 1e-3  # sampler log-probs against a fresh forward pass (issue 2, acceptance 2)
 
@@ -81,8 +85,9 @@ def bundled_greedy(smollm2):
     model, tok = smollm2
     prompts = chat_prompts(tok, QUESTIONS)
     assert len({len(p) for p in prompts}) == len(prompts)  # different lengths: padding matters
-    out = generate(model, prompts, num_samples=1, max_new_tokens=32, temperature=0.0,
-                   stop_token_ids=[tok.eos_token_id], seed=0)
+    out = generate(model, prompts,
+                   Sampling(max_new_tokens=32, temperature=0.0, stop_token_ids=[tok.eos_token_id], seed=0),
+                   num_samples=1)
     return prompts, out
 
 
@@ -115,8 +120,9 @@ def test_greedy_left_padding_does_not_change_a_row(smollm2, bundled_greedy):
     model, tok = smollm2
     prompts, batched = bundled_greedy
     shortest = min(range(len(prompts)), key=lambda i: len(prompts[i]))
-    alone = generate(model, [prompts[shortest]], num_samples=1, max_new_tokens=32,
-                     temperature=0.0, stop_token_ids=[tok.eos_token_id], seed=0)
+    alone = generate(model, [prompts[shortest]],
+                     Sampling(max_new_tokens=32, temperature=0.0, stop_token_ids=[tok.eos_token_id], seed=0),
+                     num_samples=1)
     assert alone[0].tokens == batched[shortest].tokens
     assert alone[0].logprobs == pytest.approx(batched[shortest].logprobs, abs=1e-4)
 
@@ -126,8 +132,9 @@ def test_greedy_left_padding_does_not_change_a_row(smollm2, bundled_greedy):
 def test_bundled_logprobs_match_forward(smollm2, temperature, top_p):
     model, tok = smollm2
     prompts = chat_prompts(tok, QUESTIONS[:2])
-    out = generate(model, prompts, num_samples=2, max_new_tokens=16, temperature=temperature,
-                   top_p=top_p, stop_token_ids=[tok.eos_token_id], seed=3)
+    out = generate(model, prompts,
+                   Sampling(max_new_tokens=16, temperature=temperature, top_p=top_p, stop_token_ids=[tok.eos_token_id], seed=3),
+                   num_samples=2)
     assert_logprobs_match(model, prompts, out, temperature)
 
 
@@ -143,8 +150,9 @@ def test_logprobs_match_forward(tiny, family, temperature, top_p, top_k):
     """The returned log-probs are the tempered, untruncated ones, whatever top-p/top-k kept."""
     model = tiny(family)
     prompts = tiny_prompts(model.config.vocab_size)
-    out = generate(model, prompts, num_samples=3, max_new_tokens=20, temperature=temperature,
-                   top_p=top_p, top_k=top_k, stop_token_ids=[], seed=1)
+    out = generate(model, prompts,
+                   Sampling(max_new_tokens=20, temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=[], seed=1),
+                   num_samples=3)
     assert len(out) == 12 and all(len(c.tokens) == 20 for c in out)
     assert_logprobs_match(model, prompts, out, temperature)
 
@@ -152,7 +160,8 @@ def test_logprobs_match_forward(tiny, family, temperature, top_p, top_k):
 def test_greedy_logprobs_are_untempered(tiny):
     model = tiny("qwen2")
     prompts = tiny_prompts(model.config.vocab_size)
-    out = generate(model, prompts, num_samples=1, max_new_tokens=12, temperature=0.0, seed=0)
+    out = generate(model, prompts, Sampling(max_new_tokens=12, temperature=0.0, seed=0),
+                   num_samples=1)
     assert_logprobs_match(model, prompts, out, 1.0)
     for p, c in zip(prompts, out):  # each token is the argmax of its position
         ids = torch.tensor([p + c.tokens])
@@ -165,9 +174,9 @@ def test_greedy_logprobs_are_untempered(tiny):
 def test_greedy_left_padding_tiny(tiny, family):
     model = tiny(family)
     prompts = tiny_prompts(model.config.vocab_size, lengths=(3, 30, 11))
-    batched = generate(model, prompts, num_samples=2, max_new_tokens=16, temperature=0.0)
+    batched = generate(model, prompts, Sampling(max_new_tokens=16, temperature=0.0), num_samples=2)
     for i, p in enumerate(prompts):
-        alone = generate(model, [p], num_samples=1, max_new_tokens=16, temperature=0.0)[0]
+        alone = generate(model, [p], Sampling(max_new_tokens=16, temperature=0.0), num_samples=1)[0]
         for c in batched[2 * i:2 * i + 2]:
             assert c.prompt_index == i and c.tokens == alone.tokens
             assert c.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
@@ -177,9 +186,9 @@ def test_seed(tiny):
     model = tiny("llama3")
     prompts = tiny_prompts(model.config.vocab_size)
     kw = dict(num_samples=3, max_new_tokens=16, temperature=1.0)
-    a = generate(model, prompts, seed=7, **kw)
-    b = generate(model, prompts, seed=7, **kw)
-    c = generate(model, prompts, seed=8, **kw)
+    a = generate(model, prompts, **generate_args(seed=7, **kw))
+    b = generate(model, prompts, **generate_args(seed=7, **kw))
+    c = generate(model, prompts, **generate_args(seed=8, **kw))
     assert tokens_of(a) == tokens_of(b)
     assert [x.logprobs for x in a] == [x.logprobs for x in b]
     assert tokens_of(a) != tokens_of(c)
@@ -193,21 +202,21 @@ def test_per_prompt_seed_makes_samples_independent_of_the_batch(tiny):
     model = tiny("llama3")
     p0, p1 = tiny_prompts(model.config.vocab_size, lengths=(7, 12))
     kw = dict(num_samples=3, max_new_tokens=12, temperature=1.0)
-    both = generate(model, [p0, p1], seed=[5, 6], **kw)
-    alone = generate(model, [p1], seed=[6], **kw)
+    both = generate(model, [p0, p1], **generate_args(seed=[5, 6], **kw))
+    alone = generate(model, [p1], **generate_args(seed=[6], **kw))
     assert tokens_of(both[3:]) == tokens_of(alone)
     with pytest.raises(ValueError, match="seed"):
-        generate(model, [p0, p1], seed=[5], **kw)
+        generate(model, [p0, p1], **generate_args(seed=[5], **kw))
 
 
 def test_prompt_major_order(tiny):
     model = tiny("mistral")
     prompts = tiny_prompts(model.config.vocab_size, lengths=(5, 9, 2))
-    out = generate(model, prompts, num_samples=3, max_new_tokens=10, temperature=0.0)
+    out = generate(model, prompts, Sampling(max_new_tokens=10, temperature=0.0), num_samples=3)
     assert all(isinstance(c, Completion) for c in out)
     assert [c.prompt_index for c in out] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     for i, p in enumerate(prompts):  # greedy: every sample of prompt i is prompt i's greedy
-        alone = generate(model, [p], num_samples=1, max_new_tokens=10, temperature=0.0)[0]
+        alone = generate(model, [p], Sampling(max_new_tokens=10, temperature=0.0), num_samples=1)[0]
         assert all(c.tokens == alone.tokens for c in out[3 * i:3 * i + 3])
     assert len({tuple(c.tokens) for c in out}) == 3  # and the prompts do differ
 
@@ -215,8 +224,8 @@ def test_prompt_major_order(tiny):
 def test_num_samples_per_prompt(tiny):
     model = tiny("llama3")
     prompts = tiny_prompts(model.config.vocab_size, lengths=(5, 9, 2))
-    out = generate(model, prompts, num_samples=[2, 1, 3], max_new_tokens=8, temperature=1.0,
-                   seed=2)
+    out = generate(model, prompts, Sampling(max_new_tokens=8, temperature=1.0, seed=2),
+                   num_samples=[2, 1, 3])
     assert [c.prompt_index for c in out] == [0, 0, 1, 2, 2, 2]
     assert_logprobs_match(model, prompts, out, 1.0)
 
@@ -258,7 +267,7 @@ def test_stop_does_not_change_samples(tiny, family, monkeypatch):
     model = tiny(family)
     prompts = tiny_prompts(model.config.vocab_size, lengths=(7, 12, 3, 9, 5, 16))
     kw = dict(num_samples=3, max_new_tokens=24, temperature=1.0, seed=11)
-    free = generate(model, prompts, stop_token_ids=[], **kw)
+    free = generate(model, prompts, **generate_args(stop_token_ids=[], **kw))
     assert all(c.finish_reason == "length" and len(c.tokens) == 24 for c in free)
     stop = pick_stop_tokens(free, horizon=12)
 
@@ -269,7 +278,7 @@ def test_stop_does_not_change_samples(tiny, family, monkeypatch):
     assert any(r == "stop" for _, r in expected) and any(r == "length" for _, r in expected)
 
     sizes = decode_batches(model, monkeypatch)
-    out = generate(model, prompts, stop_token_ids=stop, **kw)
+    out = generate(model, prompts, **generate_args(stop_token_ids=stop, **kw))
     for c, f, (toks, reason) in zip(out, free, expected):
         assert c.tokens == toks and c.finish_reason == reason
         if reason == "stop":
@@ -282,10 +291,10 @@ def test_stop_does_not_change_samples(tiny, family, monkeypatch):
 def test_stop_on_first_token_and_all_rows(tiny):
     model = tiny("llama")
     prompts = tiny_prompts(model.config.vocab_size)
-    greedy = generate(model, prompts, num_samples=1, max_new_tokens=6, temperature=0.0)
+    greedy = generate(model, prompts, Sampling(max_new_tokens=6, temperature=0.0), num_samples=1)
     first = sorted({c.tokens[0] for c in greedy})  # every row stops at step one
-    out = generate(model, prompts, num_samples=1, max_new_tokens=6, temperature=0.0,
-                   stop_token_ids=first)
+    out = generate(model, prompts,
+                   Sampling(max_new_tokens=6, temperature=0.0, stop_token_ids=first), num_samples=1)
     for c, g in zip(out, greedy):
         assert c.tokens == g.tokens[:1] and c.finish_reason == "stop"
         assert c.logprobs == pytest.approx(g.logprobs[:1], abs=1e-5)
@@ -299,9 +308,9 @@ def test_stop_on_first_token_and_all_rows(tiny):
 def test_extreme_truncation_is_greedy(tiny, kw):
     model = tiny("qwen3")
     prompts = tiny_prompts(model.config.vocab_size)
-    greedy = generate(model, prompts, num_samples=2, max_new_tokens=16, temperature=0.0)
-    sampled = generate(model, prompts, num_samples=2, max_new_tokens=16, temperature=1.0,
-                       seed=5, **kw)
+    greedy = generate(model, prompts, Sampling(max_new_tokens=16, temperature=0.0), num_samples=2)
+    sampled = generate(model, prompts, **generate_args(num_samples=2, max_new_tokens=16, temperature=1.0,
+                       seed=5, **kw))
     assert tokens_of(sampled) == tokens_of(greedy)
     for s, g in zip(sampled, greedy):  # at temperature 1 both are the policy's own log-probs
         assert s.logprobs == pytest.approx(g.logprobs, abs=1e-5)
@@ -400,28 +409,30 @@ def test_bad_input(tiny):
     ctx = model.config.max_seq_len
     ok = [[5, 6, 7]]
     with pytest.raises(ValueError, match="empty"):
-        generate(model, [[5, 6], []], num_samples=1, max_new_tokens=4)
+        generate(model, [[5, 6], []], Sampling(max_new_tokens=4), num_samples=1)
     with pytest.raises(ValueError, match="prompts"):
-        generate(model, [], num_samples=1, max_new_tokens=4)
+        generate(model, [], Sampling(max_new_tokens=4), num_samples=1)
     with pytest.raises(ValueError, match="context"):
-        generate(model, [[5] * (ctx - 3)], num_samples=1, max_new_tokens=4)
+        generate(model, [[5] * (ctx - 3)], Sampling(max_new_tokens=4), num_samples=1)
     with pytest.raises(ValueError, match="num_samples"):
-        generate(model, ok, num_samples=0, max_new_tokens=4)
+        generate(model, ok, Sampling(max_new_tokens=4), num_samples=0)
     with pytest.raises(ValueError, match="num_samples"):
-        generate(model, ok + ok, num_samples=[1, 0], max_new_tokens=4)
+        generate(model, ok + ok, Sampling(max_new_tokens=4), num_samples=[1, 0])
     with pytest.raises(ValueError, match="num_samples"):
-        generate(model, ok + ok, num_samples=[1], max_new_tokens=4)
+        generate(model, ok + ok, Sampling(max_new_tokens=4), num_samples=[1])
     with pytest.raises(ValueError, match="check_every"):
-        generate(model, ok, num_samples=1, max_new_tokens=4, check_every=0)
+        generate(model, ok, Sampling(max_new_tokens=4), num_samples=1, check_every=0)
     # Exactly at the context is fine.
-    out = generate(model, [[5] * (ctx - 4)], num_samples=1, max_new_tokens=4, temperature=0.0)
+    out = generate(model, [[5] * (ctx - 4)], Sampling(max_new_tokens=4, temperature=0.0),
+                   num_samples=1)
     assert len(out[0].tokens) == 4
 
 
 def test_length_finish(tiny):
     model = tiny("llama")
-    out = generate(model, tiny_prompts(model.config.vocab_size), num_samples=2, max_new_tokens=5,
-                   temperature=1.0, stop_token_ids=[], seed=0)
+    out = generate(model, tiny_prompts(model.config.vocab_size),
+                   Sampling(max_new_tokens=5, temperature=1.0, stop_token_ids=[], seed=0),
+                   num_samples=2)
     assert all(c.finish_reason == "length" and len(c.tokens) == len(c.logprobs) == 5
                for c in out)
     assert all(math.isfinite(x) and x <= 0 for c in out for x in c.logprobs)
@@ -449,7 +460,7 @@ def test_bench_flags_are_checked_before_any_work(flags, named):
 
 @pytest.mark.slow
 def test_bench_refills_runs_and_checks_its_samples(smollm2):
-    """`python bench.py refills` on the bundled model, a few tokens: the rounds one after another
+    """`python recipes/bench.py refills` on the bundled model, a few tokens: the rounds one after another
     and in one queue draw the same samples (the bench asserts it) and each prints its rate."""
     import subprocess
     import sys
@@ -477,8 +488,9 @@ def test_greedy_matches_transformers_every_family(tiny, tiny_ckpt, family):
     from conftest import PAD_ID, hf_model
     model = tiny(family)
     prompts = tiny_prompts(model.config.vocab_size, lengths=(5, 12, 9))
-    ours = generate(model, prompts, num_samples=1, max_new_tokens=24, temperature=0.0,
-                    stop_token_ids=[], seed=0)
+    ours = generate(model, prompts,
+                    Sampling(max_new_tokens=24, temperature=0.0, stop_token_ids=[], seed=0),
+                    num_samples=1)
     hf = hf_model(tiny_ckpt(family))
     config = GenerationConfig(do_sample=False, max_new_tokens=24, min_new_tokens=24,
                               pad_token_id=PAD_ID, eos_token_id=None)
@@ -498,8 +510,9 @@ def test_recorded_routing_is_what_a_fresh_forward_routes(tiny):
     from variants.moe import Routing
     model = tiny("qwen3_moe")
     prompts = tiny_prompts(model.config.vocab_size, lengths=(5, 12, 9))
-    out = generate(model, prompts, num_samples=2, max_new_tokens=10, temperature=1.0,
-                   stop_token_ids=list(range(4, 40)), seed=4, record_routing=True)
+    out = generate(model, prompts,
+                   Sampling(max_new_tokens=10, temperature=1.0, stop_token_ids=list(range(4, 40)), seed=4),
+                   num_samples=2, record_routing=True)
     assert len({len(c.tokens) for c in out}) > 1  # rows stopped at different steps
     for c in out:
         ids = torch.tensor([prompts[c.prompt_index] + c.tokens])
@@ -510,7 +523,7 @@ def test_recorded_routing_is_what_a_fresh_forward_routes(tiny):
         assert c.routing.shape == want.shape and c.routing.dtype == torch.int16
         assert torch.equal(c.routing[:-1].long(), want[:-1])
         assert (c.routing[-1] == -1).all() or torch.equal(c.routing[-1].long(), want[-1])
-    dense = generate(tiny("llama"), [[5, 6, 7]], max_new_tokens=3, record_routing=True)
+    dense = generate(tiny("llama"), [[5, 6, 7]], Sampling(max_new_tokens=3), record_routing=True)
     assert all(c.routing is None for c in dense)
 
 
@@ -563,15 +576,15 @@ def test_compiled_step_equals_eager(tiny, family, onednn, monkeypatch):
     for kw in (dict(temperature=0.0), dict(temperature=1.0, seed=3, stop_token_ids=[9, 17, 30]),
                dict(temperature=0.8, top_p=0.9, top_k=20, seed=4)):
         kw = dict(num_samples=3, max_new_tokens=24, **kw)
-        eager = generate(model, prompts, compile=False, **kw)
-        compiled = generate(model, prompts, compile=True, **kw)
+        eager = generate(model, prompts, **generate_args(compile=False, **kw))
+        compiled = generate(model, prompts, **generate_args(compile=True, **kw))
         for a, b in zip(eager, compiled):
             assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
             assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with torch.profiler.profile() as profile:
-        generate(model, prompts[:2], num_samples=2, max_new_tokens=60, temperature=1.0,
-                 compile=True)
+        generate(model, prompts[:2], Sampling(max_new_tokens=60, temperature=1.0), num_samples=2,
+                 engine=EngineOptions(speed=SpeedUps(compile=True)))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
     ops = {event.key for event in profile.key_averages()}
     packed = onednn == "1" and torch.backends.mkldnn.is_available()
@@ -589,8 +602,8 @@ def test_stream_sees_each_prefix_of_the_result_at_each_check(tiny):
     kwargs = dict(num_samples=2, max_new_tokens=12, temperature=1.0, stop_token_ids=[5, 9], seed=3,
                   compile=False, check_every=4)
     seen = []
-    streamed = generate(model, prompts, stream=lambda tokens: seen.append(tokens.tolist()), **kwargs)
-    assert [c.tokens for c in streamed] == [c.tokens for c in generate(model, prompts, **kwargs)]
+    streamed = generate(model, prompts, **generate_args(stream=lambda tokens: seen.append(tokens.tolist()), **kwargs))
+    assert [c.tokens for c in streamed] == [c.tokens for c in generate(model, prompts, **generate_args(**kwargs))]
     assert seen and [len(tokens[0]) for tokens in seen] == sorted(len(t[0]) for t in seen)
     for tokens in seen:
         for row, completion in zip(tokens, streamed):
@@ -612,8 +625,8 @@ def test_the_engine_reads_the_host_once_per_step(tiny, monkeypatch):
             return _original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, counted)
     stats = {}
-    generate(model, prompts, num_samples=2, max_new_tokens=30, temperature=1.0, stop_token_ids=[],
-             compile=False, stats=stats)
+    generate(model, prompts, Sampling(max_new_tokens=30, temperature=1.0, stop_token_ids=[]),
+             num_samples=2, engine=EngineOptions(speed=SpeedUps(compile=False)), stats=stats)
     monkeypatch.undo()
     assert stats["decode_steps"] == 29 and reads == ["tolist"] * (29 + 1), reads
 
@@ -623,12 +636,12 @@ def test_the_engine_reads_the_host_once_per_step(tiny, monkeypatch):
 def test_no_host_sync_between_checks_on_cuda(tiny_ckpt, compiled):
     """torch.cuda.set_sync_debug_mode("error") raises at any synchronising call: none may come
     from a decode step (the checks every `check_every` steps are the only ones)."""
-    import rollout
+    from engine import speedups
     model = load_model(tiny_ckpt("llama3"), dtype=torch.float32, device="cuda")[0]
     prompts = tiny_prompts(model.config.vocab_size)
     kw = dict(num_samples=2, max_new_tokens=12, temperature=1.0, stop_token_ids=[9], seed=1)
-    want = generate(model, prompts, compile=compiled, **kw)  # warm-up (and compile)
-    step_fn = rollout.compiled_step(model.device) if compiled else rollout.decode_step
+    want = generate(model, prompts, **generate_args(compile=compiled, **kw))  # warm-up (and compile)
+    step_fn = speedups.compiled_step(model.device) if compiled else speedups.decode_step
 
     def strict_step(*args):
         torch.cuda.set_sync_debug_mode("error")
@@ -636,18 +649,18 @@ def test_no_host_sync_between_checks_on_cuda(tiny_ckpt, compiled):
             return step_fn(*args)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    original = rollout.compiled_step if compiled else rollout.decode_step
+    original = speedups.compiled_step if compiled else speedups.decode_step
     try:
         if compiled:
-            rollout.compiled_step = lambda device: strict_step
+            speedups.compiled_step = lambda device: strict_step
         else:
-            rollout.decode_step = strict_step
-        got = generate(model, prompts, compile=compiled, **kw)
+            speedups.decode_step = strict_step
+        got = generate(model, prompts, **generate_args(compile=compiled, **kw))
     finally:
         if compiled:
-            rollout.compiled_step = original
+            speedups.compiled_step = original
         else:
-            rollout.decode_step = original
+            speedups.decode_step = original
     assert [c.tokens for c in got] == [c.tokens for c in want]
 
 
@@ -666,3 +679,36 @@ def test_two_level_inverse_cdf_is_the_one_level_one():
         got = inverse_cdf(weights, uniforms, chunk=chunk)
         assert torch.equal(got, want), chunk
         assert (weights.gather(-1, got[:, None]) > 0).all()
+
+
+def test_rollout_copies_with_the_model_and_the_engine_alone(tmp_path, tiny):
+    """rollout.py copied out with only what it imports, model.py and engine/paged.py (and the
+    model's own MoE layer and log-prob kernel), none of the speed-ups' files: it imports, samples
+    a tiny random model's weights, and draws what the repository's rollout draws."""
+    import shutil
+    import subprocess
+    import sys
+    files = ["rollout.py", "model.py", "engine/__init__.py", "engine/paged.py",
+             "engine/chunked_logprobs.py", "variants/__init__.py", "variants/moe.py"]
+    for name in files:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        shutil.copy(ROOT / name, tmp_path / name)
+    model = tiny("llama3")
+    torch.save({"config": model.config, "state": model.state_dict()}, tmp_path / "tiny.pt")
+    prompts = tiny_prompts(model.config.vocab_size)
+    code = f"""
+import os, sys, torch
+import model, rollout
+saved = torch.load("tiny.pt", weights_only=False)
+net = model.Transformer(saved["config"])
+net.load_state_dict(saved["state"])
+out = rollout.generate(net, {prompts}, rollout.Sampling(max_new_tokens=6, seed=3), num_samples=2)
+assert all(m.__file__.startswith(os.getcwd()) for m in (model, rollout))
+assert not {{"engine.speed", "engine.cuda_graphs", "engine.flex_decode", "engine.speedups"}} & set(sys.modules)
+print([c.tokens for c in out])
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          env={"PATH": os.environ.get("PATH", "")}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    want = generate(model, prompts, Sampling(max_new_tokens=6, seed=3), num_samples=2)
+    assert proc.stdout.strip() == str([c.tokens for c in want])

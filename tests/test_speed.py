@@ -15,7 +15,7 @@ import torch
 
 from engine import speed as S
 from run.checkpoints import load_model
-from conftest import ROOT, needs_cpp_compiler, random_ids
+from conftest import ROOT, generate_args, needs_cpp_compiler, random_ids
 from model import token_logprobs
 from test_model import TOL, _assert_same_grads, _grads, _padded_batch, loaded, max_diff  # noqa: F401 (a fixture)
 
@@ -26,6 +26,8 @@ IMPORTS = """
 import torch
 from torch.optim import optimizer
 hooks = len(optimizer._global_optimizer_post_hooks)
+import sys
+sys.path.insert(0, "recipes")
 import bench, dapo, data, demo, eval, losses, model
 from run import checkpoints
 from tasks import episodes
@@ -152,13 +154,13 @@ def test_sampler_on_onednn_gives_the_same_greedy_tokens(loaded, onednn):
     prompts = [[5, 6, 7], [8, 9]]
     kw = dict(num_samples=1, max_new_tokens=8, temperature=0.0, seed=0, compile=False)
     onednn(False)
-    want = generate(ours, prompts, **kw)
+    want = generate(ours, prompts, **generate_args(**kw))
     onednn(True)
     with torch.profiler.profile() as profile:
-        got = generate(ours, prompts, **kw)
+        got = generate(ours, prompts, **generate_args(**kw))
     assert "mkldnn::_linear_pointwise" in {event.key for event in profile.key_averages()}
     with torch.profiler.profile() as profile:
-        unpacked = generate(plain, prompts, **kw)
+        unpacked = generate(plain, prompts, **generate_args(**kw))
     assert "mkldnn::_linear_pointwise" not in {event.key for event in profile.key_averages()}
     assert [c.tokens for c in got] == [c.tokens for c in want] == [c.tokens for c in unpacked]
 
@@ -204,9 +206,9 @@ def test_packed_weights_follow_updates(loaded, onednn, update):
     model = S.pack_linears(copy.deepcopy(loaded("llama")[0]))
     prompts, kw = [[5, 6, 7], [8, 9]], dict(max_new_tokens=8, temperature=0.0, compile=False)
     onednn(True)
-    before = [c.tokens for c in generate(model, prompts, **kw)]  # packs every weight
+    before = [c.tokens for c in generate(model, prompts, **generate_args(**kw))]  # packs every weight
     with torch.profiler.profile() as profile:
-        generate(model, prompts, **kw)
+        generate(model, prompts, **generate_args(**kw))
     assert "mkldnn::_reorder_linear_weight" not in {e.key for e in profile.key_averages()}
     g = torch.Generator().manual_seed(0)
     new = {p: p + torch.randn(p.shape, generator=g) * 0.5 for p in model.parameters()}
@@ -221,9 +223,9 @@ def test_packed_weights_follow_updates(loaded, onednn, update):
                 p.copy_(new[p])
             elif update == ".to()":
                 p.data = new[p].detach().double().to(p.dtype)  # new storage, same version
-    after = [c.tokens for c in generate(model, prompts, **kw)]
+    after = [c.tokens for c in generate(model, prompts, **generate_args(**kw))]
     onednn(False)
-    assert after == [c.tokens for c in generate(model, prompts, **kw)] and after != before
+    assert after == [c.tokens for c in generate(model, prompts, **generate_args(**kw))] and after != before
 
 
 FAULTS = """
@@ -304,8 +306,8 @@ def test_compiled_blocks_equal_eager_and_sampling_stays_eager(tiny_ckpt, family)
     prompts = [[5, 6, 7], [8, 9]]
     kw = dict(num_samples=2, max_new_tokens=6, temperature=1.0, seed=3, compile=False)
     with torch.compiler.set_stance("fail_on_recompile"):  # a cached forward through a compiled
-        got = generate(compiled.eval(), prompts, **kw)    # block would need a new graph
-    want = generate(eager.eval(), prompts, **kw)
+        got = generate(compiled.eval(), prompts, **generate_args(**kw))    # block would need a new graph
+    want = generate(eager.eval(), prompts, **generate_args(**kw))
     assert [c.tokens for c in got] == [c.tokens for c in want]
 
 

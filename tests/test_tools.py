@@ -92,7 +92,7 @@ def test_a_scripted_model_calls_the_calculator(monkeypatch):
     replies = iter(["I compute <calc>123 * 456</calc> = 55000 I guess", "\nAnswer: 56088"])
     seen = []
 
-    def scripted_generate(model, prompts, *, num_samples, seed, **sampling):
+    def scripted_generate(model, prompts, sampling, *, num_samples=1, **options):
         seen.extend(tok.decode(p) for p in prompts)
         text = next(replies)
         return [Completion(0, tok.encode(text), [-0.1] * len(text), "stop")]

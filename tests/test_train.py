@@ -2020,14 +2020,14 @@ def test_ctrl_c_during_the_step_0_evaluation_is_one_line_and_the_run_goes_on(tin
     """SIGINT's handler for the steps starts after the step-0 held-out evaluation: Ctrl-C there
     (a KeyboardInterrupt) ends in one line with exit status 130, and --resume goes on."""
     import gc
-    from run import launch
+    from run import evaluation
     import train
     model_dir, data_file = tiny
     out = tmp_path / "run"
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(launch, "evaluate_and_log", interrupted)
+    monkeypatch.setattr(evaluation, "evaluate_and_log", interrupted)
     with pytest.raises(SystemExit) as stopped:
         train.main(["--model", model_dir, "--data", data_file, "--steps", "1", "--out", str(out),
                     "--eval-data", data_file, "--eval-limit", "2"] + BASE)

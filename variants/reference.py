@@ -15,13 +15,12 @@ from torch.utils.checkpoint import checkpoint
 
 import dapo
 import data
-from run import distributed
-from run import launch
 import losses
-from variants import objectives
-from run.distributed import add, all_reduce
-from variants.lora import lora_disabled
 from model import token_logprobs
+from run import distributed
+from run.distributed import add, all_reduce
+from variants import objectives
+from variants.lora import lora_disabled
 
 
 def reference_forward(run, fn):
@@ -103,7 +102,7 @@ def dpo_update(run, batch, count):
         run.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for k, mb in enumerate(micro):
-            with distributed.accumulating(run.model, last=k == len(micro) - 1), launch.autocast(run):
+            with distributed.accumulating(run.model, last=k == len(micro) - 1), distributed.autocast(run.args.device, run.bf16):
                 loss, mb_sums = dpo_loss(run, mb)
                 (loss * run.world).backward()  # DDP averages over ranks: make it a sum
             loss_sum += float(loss.detach())

@@ -13,14 +13,14 @@ from run import config
 import dapo
 import data
 from tasks import episodes
-from run import launch
-from run import metrics
+from run.distributed import gather
 import rollout
 
 
 def with_signal(batch):
     """(groups,) whether each group carries a learning signal, 0 < #correct < G (eq. 11)."""
-    return dapo.keep_groups(metrics.scores(batch), batch.group_sizes).tolist()
+    return dapo.keep_groups(dapo.task_scores(batch.reward_parts, batch.correct),
+                            batch.group_sizes).tolist()
 
 
 def round_prompts(run, progress, round_index, requests, want):
@@ -36,9 +36,42 @@ def round_prompts(run, progress, round_index, requests, want):
     records = requests + run.stream.take(count)  # only what is asked: none skipped
     seeds = [random.Random(f"{args.seed}:{progress.step}:{round_index}:{place}").getrandbits(62)
              for place in places]
-    counts = launch.adaptive_budget(args, progress, records) if args.adaptive_budget \
+    counts = adaptive_budget(args, progress, records) if args.adaptive_budget \
         else [args.samples] * len(records)
     return records, counts, seeds
+
+
+def adaptive_budget(args, progress, records):
+    """--adaptive-budget: each prompt's number of samples from its accuracy so far (hard prompts
+    more, easy ones fewer), the round's total unchanged."""
+    return dapo.adaptive_num_samples([progress.prompt_accuracy.get(r["id"]) for r in records],
+                                     total=len(records) * args.samples, min_samples=2,
+                                     max_samples=2 * args.samples)
+
+
+def harder_variants(run, batch):
+    """--adversarial: harder (or hinted) variants of the round's signal-less prompts, asked first
+    in the next round."""
+    return data.adversarial_variants(
+        batch.records, dapo.adversarial_requests(batch.correct, batch.group_sizes), run.variant_rng,
+        run.tokenizer, run.args.template,
+        max_prompt_tokens=run.policy.config.max_seq_len - run.args.max_new_tokens)
+
+
+def shared_prompt_accuracy(run, progress, sampled):
+    """Every rank's prompt accuracies of this step folded into one running table, the same on
+    every rank (the adaptive budget reads it; prompts move between ranks each epoch)."""
+    seen = []
+    for batch in sampled:
+        firsts = set(batch.episode_starts())
+        for record, start, size in zip(batch.records, batch.group_starts(), batch.group_sizes):
+            outcomes = [batch.correct[i] for i in range(start, start + size) if i in firsts]
+            seen.append((record["id"], sum(outcomes) / len(outcomes)))
+    table = dict(progress.prompt_accuracy)
+    for rank_seen in gather(seen, run.world):
+        for prompt_id, accuracy in rank_seen:
+            dapo.update_accuracy(table, prompt_id, accuracy)
+    return table
 
 
 def rounds_in_turn(run, progress, want, have, rounds, sample_and_reward):
@@ -55,7 +88,7 @@ def rounds_in_turn(run, progress, want, have, rounds, sample_and_reward):
         have += sum(with_signal(batch))
         last_round = round_index + 1 == rounds or have >= want
         requests = [] if last_round or not run.args.adversarial \
-            else launch.harder_variants(run, batch)
+            else harder_variants(run, batch)
         asked += len(requests)
     return sampled, asked
 
@@ -91,8 +124,8 @@ def rounds_in_one_queue(run, progress, want, have, rounds, rewarded):
             return next_round()
 
     prompts, counts, seeds = next_round()
-    rollout.generate(run.sampler.eval(), prompts, num_samples=counts, seed=seeds,
-                     on_group=on_group, **config.sampling_options(args, run.stop_ids))
+    rollout.generate(run.sampler.eval(), prompts, num_samples=counts, on_group=on_group,
+                     **config.sampling_options(args, run.stop_ids, seeds))
     ends = firsts[1:] + [len(queued)]
     return [[groups[i] for i in range(first, end)] for first, end in zip(firsts, ends)]
 

@@ -16,11 +16,11 @@ import random
 import torch
 
 import data
-from run import launch
 import losses
-from variants import objectives
-from run.distributed import all_reduce, gather
 from model import completion_logprobs
+from run import distributed
+from run.distributed import all_reduce, gather
+from variants import objectives
 
 # The log's name of each choice's share of loss tokens.
 CHOICE_METRICS = {"high_entropy": "high_entropy_frac", "covariance": "cov_chosen_frac"}
@@ -67,7 +67,7 @@ def chosen_tokens(run, micro, seed):
 def current_logprobs(run, mb):
     """A micro-batch's (b, C) log-probs and entropies under the weights the update's forwards
     see, on the CPU."""
-    with launch.autocast(run):
+    with distributed.autocast(run.args.device, run.bf16):
         return completion_logprobs(run.policy, mb.ids, mb.attn, mb.start, mb.replay,
                                    run.args.temperature, with_entropy=True)
 
