@@ -56,16 +56,13 @@ import time
 
 import torch
 
-from run import checkpoints
-from run import config
-from tasks import countdown
 import data
-from tasks import episodes
-from run import launch
 import rewards
 import rollout
-from run.evaluation import DEFAULT_ROWS, evaluate
 from engine.speed import keep_freed_memory, pack_linears
+from run import checkpoints, config, launch
+from run.evaluation import DEFAULT_ROWS, evaluate
+from tasks import countdown, episodes
 
 BUNDLED_NAME = "bundled:SmolLM2-135M-Instruct"
 

@@ -41,7 +41,6 @@ from torch.utils.checkpoint import checkpoint
 from engine.chunked_logprobs import chunked_logprobs
 from variants.moe import MoE, Routing
 
-
 # ----------------------------------------------------------------------------- configuration
 
 @dataclass

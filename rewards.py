@@ -14,7 +14,15 @@ import math
 import re
 import sys
 
-from tasks.verify import ANSWER_LINE_RE, MAX_SCAN_CHARS, answer_tag, clean_text, extract_answer, is_correct
+from tasks.verify import (
+    ANSWER_LINE_RE,
+    MAX_SCAN_CHARS,
+    answer_tag,
+    answers_equal,
+    clean_text,
+    extract_answer,
+    is_correct,
+)
 
 __all__ = ["rule_reward", "overlong_penalty", "perplexity_penalty", "shaping", "format_reward",
            "xml_terms", "math_reward", "FORMAT_STYLES", "user_score", "task_reward", "judged_right"]
@@ -238,12 +246,10 @@ def math_reward(response: str, truth, *, correct: float = 1.0, wrong: float = -1
                      ppl_threshold=ppl_threshold, ppl_window=ppl_window)
 
     answer = extract_answer(response)  # (never raises)
-    if score is None:  # eq. 7 scored 1 / 0 is the accuracy; then scored correct / wrong
-        accuracy = rule_reward(response, truth, correct=1.0, wrong=0.0)
-        rule = r_correct if accuracy else r_wrong
-    else:
-        accuracy, rule = (1.0 if score[1] else 0.0), _finite("score", score[0])
-    c = {"correct": rule, "accuracy": accuracy, "extracted": float(answer is not None),
+    ok = answers_equal(answer, truth) if score is None else score[1]  # rule_reward's check
+    # DAPO eq. 7: R(y_hat, y) = 1 if is_equivalent(y_hat, y) else -1 (the answer extracted once)
+    rule = (r_correct if ok else r_wrong) if score is None else _finite("score", score[0])
+    c = {"correct": rule, "accuracy": 1.0 if ok else 0.0, "extracted": float(answer is not None),
          "format": 0.0, "format_ok": 0.0, "integer": 0.0, "xml_count": 0.0, "overlong": 0.0,
          "ppl": 0.0}
     if style is not None:

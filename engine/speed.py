@@ -2,13 +2,13 @@
 are): the model file holds the model, in plain nn.Linear; nothing here acts at import.
 
     pack_linears(model)      the sampler's products on oneDNN with weights packed once (a CPU)
-    sampling_products()      the context rollout.generate enters: packed products on inside it
+    sampling_products()      the context a sampler runs in (SpeedUps.context): packed products on
     KeptRowsKVCache          the paged cache keeping the decoding rows' keys gathered between
-                             steps (a CPU's eager decode steps with no KV budget: engine.Engine)
+                             steps (a CPU's eager decode steps with no KV budget: SpeedUps.cache)
     keep_freed_memory()      glibc keeps freed blocks: no page faults at every decode step
     compile_blocks(model)    torch.compile each block for the training and scoring forwards
 
-The entry points (launch.setup for train.py, eval.py, bench.py, demo.py) call them; figures, with
+The entry points (run/launch.setup for train.py, eval.py, bench.py, demo.py) call them; figures, with
 `python recipes/bench.py sampler` side by side: MEASUREMENTS.md, "The sampler".
 """
 
@@ -24,8 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from variants.lora import LoRALinear
 from model import MLP, Attention, PagedKVCache, Transformer
+from variants.lora import LoRALinear
 
 # ----------------------------------------------------------------------------- packed products
 
@@ -146,7 +146,7 @@ _SAMPLERS_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def sampling_products():
-    """Within it (rollout.generate), a CPU's PackedLinear products run on packed oneDNN weights
+    """Within it (a rollout.generate call given SpeedUps), a CPU's PackedLinear products run on packed oneDNN weights
     where that is faster (`onednn_dtypes`), until the last sampler running (of any thread) has
     returned. A model never given to pack_linears computes as it would outside."""
     global _ONEDNN_DTYPES, _SAMPLERS

@@ -11,8 +11,9 @@ runs the plain decode step on model.PagedKVCache; a SpeedUps picks, for one call
 Every choice gives the plain path's samples (tests/test_rollout.py, tests/test_engine.py).
 """
 
-import torch
 from dataclasses import dataclass
+
+import torch
 
 from engine.cuda_graphs import BucketedStep, CompiledBlocks
 from engine.flex_decode import FlexPagedKVCache

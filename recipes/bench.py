@@ -26,14 +26,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's root
 
-from run.checkpoints import (_read_safetensors, converted_dir, cpu_has_bf16, empty_model, load_model,
-                             load_state_dict_strict, read_config)
-from model import PagedKVCache, Transformer, token_logprobs
-from engine.speed import compile_blocks, keep_freed_memory, pack_linears, sampling_products
 from engine.paged import EngineOptions
+from engine.speed import compile_blocks, keep_freed_memory, pack_linears, sampling_products
 from engine.speedups import SpeedUps
+from model import PagedKVCache, Transformer, token_logprobs
 from rollout import Sampling, generate
-
+from run.checkpoints import (
+    _read_safetensors,
+    converted_dir,
+    cpu_has_bf16,
+    empty_model,
+    load_model,
+    load_state_dict_strict,
+    read_config,
+)
 
 # ----------------------------------------------------------------------------- the sampler
 
@@ -517,6 +523,7 @@ def bench_update(args):
     """Forward + backward + AdamW tokens/s: ours eager and with its blocks compiled, against
     transformers, in fp32 and (where bf16 is native) under bf16 autocast."""
     import statistics
+
     from transformers import AutoModelForCausalLM
     model_dir = args.model or converted_dir()
     B, T, device = args.train_batch, args.train_length, torch.device(args.device)
@@ -608,6 +615,7 @@ def bench_moe(args):
     """Forward + backward tokens/s of a small Qwen3-MoE (8 experts, top-2, 4 layers), ours
     against transformers' implementation on the same weights, alternating, in this process."""
     import statistics
+
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
     hf_cfg = Qwen3MoeConfig(vocab_size=4096, hidden_size=256, intermediate_size=512,
                             moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,

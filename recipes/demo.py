@@ -25,13 +25,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's root
 
-from run import checkpoints
 import data
 import rollout
-from tasks import verify
 from engine.paged import EngineOptions
 from engine.speed import keep_freed_memory, pack_linears
 from engine.speedups import SpeedUps
+from run import checkpoints
+from tasks import verify
 
 MAX_QUESTION_CHARS = 2000   # what the page takes in one problem
 MAX_ANSWER_CHARS = 200      # a reference answer

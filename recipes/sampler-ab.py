@@ -105,8 +105,8 @@ def main():
         parser.error(f"{args.before}: no engine/paged.py there; give a checkout of this repository")
     sys.path.insert(0, HERE)
     import bench  # noqa: E402 (this checkout's; speed.py comes with it, once)
-    from run.checkpoints import cpu_has_bf16
     from engine.speed import keep_freed_memory
+    from run.checkpoints import cpu_has_bf16
     keep_freed_memory()  # as train.py and bench.py do: freed blocks are not faulted in again
     dtype = getattr(torch, args.dtype or ("bfloat16" if cpu_has_bf16() else "float32"))
     paths = {name: load_checkout(path, dtype, args.stops)

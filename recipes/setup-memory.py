@@ -10,9 +10,12 @@ import resource
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from run import config  # noqa: E402
-from run import launch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from run import (
+    config,  # noqa: E402
+    launch,  # noqa: E402
+)
 
 if __name__ == "__main__":
     args, _ = config.parse_config(sys.argv[1:])

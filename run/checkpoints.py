@@ -20,9 +20,9 @@ import tempfile
 
 import torch
 
-from variants.lora import LoRALinear
-from model import ModelConfig, Transformer
 from engine.speed import cpu_feature
+from model import ModelConfig, Transformer
+from variants.lora import LoRALinear
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2",
                    "gemma3_text", "gemma3")

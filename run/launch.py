@@ -1,7 +1,8 @@
-"""A run around its steps: setup (ranks, the model and its copies, the optimizer, the data, every
-flag checked against them), checkpoints and resume, held-out evaluation, the final save, and
-the few things a step asks of its Run (the update's precision, the sampler's refresh, a log's
-samples). train.py's loop calls these.
+"""A run around its steps: setup (ranks, the model and its copies, the optimizer, the data, the
+reward function, every flag checked against them), checkpoints and resume, the step's log lines,
+the final save, and the sampler's refresh. train.py's loop calls these; the held-out evaluation
+is run/evaluation.py's, the update's precision run/distributed.py's, the adaptive budget and the
+harder variants variants/refills.py's.
 
     run = setup(args)                            # -> Run: the long-lived objects
     progress, carried = load_checkpoint(run)     # --resume
@@ -28,25 +29,17 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
-from run import config
-from tasks import countdown
 import data
-from tasks import episodes
-from run import evaluation
-from variants import quantize
 import rewards
-from run import runs
-from run import sharding
-from run import tracking
-from run import checkpoints
-from run import memory_plan
-from run.checkpoints import load_model, save_model
 from engine.speed import compile_blocks, expandable_cuda_segments, keep_freed_memory, pack_linears
-from run.distributed import from_rank0, gather, setup_distributed
-from variants.lora import add_lora
 from model import Transformer
 from rollout import line_break_ids, stop_token_ids
-
+from run import checkpoints, config, evaluation, memory_plan, runs, sharding, tracking
+from run.checkpoints import load_model, save_model
+from run.distributed import from_rank0, gather, setup_distributed
+from tasks import countdown, episodes
+from variants import quantize
+from variants.lora import add_lora
 
 # ---- what a run holds ----------------------------------------------------------------------------
 

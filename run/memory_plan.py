@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from run import config
 from engine.cuda_graphs import bucket
-from model import ModelConfig, Transformer
 from engine.paged import decode_working_bytes
+from model import ModelConfig, Transformer
+from run import config
 
 GIB = 2 ** 30
 
@@ -265,8 +265,8 @@ def plan_only(args, load_data) -> int:
     config.json, the tokenizer and the data (where they can be read, by train.py's
     `load_data(args, tokenizer, context)`). -> exit status: 1 when a GPU's size is known and the
     plan does not fit it."""
-    from run import checkpoints
     import data
+    from run import checkpoints
     world, rank = os.environ.get("WORLD_SIZE", "1"), int(os.environ.get("RANK", "0"))
     if not world.isdigit() or int(world) < 1:
         raise SystemExit(f"train.py: --plan-only plans for WORLD_SIZE ranks: a whole number >= 1, "

@@ -8,10 +8,10 @@ would weight a rank with fewer samples as much. The row divides them once, by th
 
 import statistics
 
-from run import config
 import dapo
-from variants import token_choice
+from run import config
 from run.distributed import gather, reduce_metrics
+from variants import token_choice
 
 REWARD_TERMS = ("correct", "extracted", "format", "format_ok", "integer", "xml_count", "overlong", "ppl",
                 "efficiency")  # rewards.math_reward's components, and the efficiency bonus

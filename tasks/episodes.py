@@ -25,11 +25,11 @@ import random
 import re
 from dataclasses import dataclass, replace
 
-from run import config
 import dapo
 import data
 import rewards
 from rollout import Completion, Sampling, generate
+from run import config
 from tasks import tools as tool_calls
 
 # What each question asks (MemoryTask's `ask`): the total over every page, or the first page's
@@ -122,7 +122,8 @@ def play(model, tokenizer, records, num_samples, seeds, *, template, tools=(), s
     # Turn 0 shows each record's first prompt to its G episodes: one prefill per record.
     shown = {i: next_turn(records[r], 0, tools=tools) for i, r in enumerate(owner)}  # episode i's
     first = [data.format_prompt(next_turn(r, 0, tools=tools), tokenizer, template) for r in records]
-    completions = generate(model, first, replace(sampling, seed=seeds), num_samples=counts, **options)
+    completions = generate(model, first, replace(sampling, seed=seeds), num_samples=counts,
+                           **options)
     turn, going, prompts = 0, list(range(len(owner))), [first[r] for r in owner]
     context = getattr(getattr(model, "config", None), "max_seq_len", float("inf"))
     while True:

@@ -16,8 +16,8 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from tasks import verify  # noqa: E402
 from answer_cases import GROUPS  # noqa: E402
+from tasks import verify  # noqa: E402
 
 
 def _math_verify():

@@ -13,9 +13,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tasks import countdown  # noqa: E402
 import data  # noqa: E402
-from tasks import verify  # noqa: E402
+from tasks import (
+    countdown,  # noqa: E402
+    verify,  # noqa: E402
+)
 
 ROW = {"numbers": [25, 5, 3], "target": 60}
 

@@ -8,15 +8,13 @@ preemptions (counted), and the pool never holds more than it was given."""
 
 import pytest
 import torch
+from test_rollout import tiny  # noqa: F401 (the fixture: a family's tiny model, loaded once)
 from torch.nn.attention.flex_attention import flex_attention
 
-from conftest import FAMILIES, random_ids
-from rollout import generate
-from test_rollout import tiny  # noqa: F401 (the fixture: a family's tiny model, loaded once)
-from conftest import generate_args
+from conftest import FAMILIES, generate_args, random_ids
 from engine.paged import EngineOptions
 from engine.speedups import SpeedUps
-from rollout import Sampling
+from rollout import Sampling, generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -110,8 +108,8 @@ def test_kept_rows_equal_a_gather_at_every_step(tiny, family, monkeypatch):
     every step), soft caps and sliding windows. It gathers again only when the rows change or
     their tables widen, and is not taken under a budget."""
     from engine import speedups
-    from model import PagedKVCache
     from engine.speed import KeptRowsKVCache
+    from model import PagedKVCache
     caches = []
 
     class Recorded(KeptRowsKVCache):
@@ -302,8 +300,9 @@ def test_on_cuda_the_pool_leaves_the_decode_steps_memory_free(tiny, monkeypatch)
     device: only torch.cuda.mem_get_info is read.)"""
     import dataclasses
     import types
-    from engine import paged as engine
+
     from engine import flex_decode
+    from engine import paged as engine
     from model import PagedKVCache
     cfg = tiny("llama3").config
     stand_in = types.SimpleNamespace(config=cfg, dtype=torch.bfloat16, device=torch.device("cuda"))
@@ -454,8 +453,9 @@ def test_compiled_blocks_make_one_graph_for_every_layer(tiny, family, monkeypatc
     (Gemma 3's 3 layers: 2 kinds of mask and rotation; Llama 3's 3), with no graph break; the
     samples do not change. Counted with torch.compile's frame counter as the backend (the graph
     runs as traced); test_compiled_blocks_under_inductor_keep_every_sample compiles it."""
-    from engine import cuda_graphs
     from torch._dynamo.testing import CompileCounter
+
+    from engine import cuda_graphs
     torch._dynamo.reset()  # no entries left on Block.forward by other tests in this process
     counter, calls = CompileCounter(), []
     compiled = torch.compile(cuda_graphs.Block.forward, backend=counter, dynamic=True)

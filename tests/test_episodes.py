@@ -15,8 +15,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tasks import episodes  # noqa: E402
 from rollout import Completion  # noqa: E402
+from tasks import episodes  # noqa: E402
 
 
 class CharTokenizer:

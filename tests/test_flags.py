@@ -11,8 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from run import config  # noqa: E402
 import eval as ev  # noqa: E402
+from run import config  # noqa: E402
 
 VALUES = ["0", "-1", "nan", "inf"]
 

@@ -8,16 +8,21 @@ and compiled parts."""
 import pytest
 import torch
 
-from conftest import FAMILIES, hf_model, random_ids, tiny_checkpoint
-from run.checkpoints import load_model
-from rollout import generate
-from test_model import max_diff
-from test_train import (assert_close_runs, digit_checkpoint, digit_data, flags, kill_then_resume,
-                        run_train, torchrun)
-from conftest import generate_args
+from conftest import FAMILIES, generate_args, hf_model, random_ids, tiny_checkpoint
 from engine.paged import EngineOptions
 from engine.speedups import SpeedUps
-from rollout import Sampling
+from rollout import Sampling, generate
+from run.checkpoints import load_model
+from test_model import max_diff
+from test_train import (
+    assert_close_runs,
+    digit_checkpoint,
+    digit_data,
+    flags,
+    kill_then_resume,
+    run_train,
+    torchrun,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = "cuda"
@@ -110,8 +115,8 @@ def test_cuda_graphs_sampler_equals_eager(checkpoints, dtype, monkeypatch):
     """Decode steps captured as CUDA graphs per bucket of rows and blocks (cuda_graphs.py) give
     eager's greedy tokens and samples: the same kernels on padded inputs, replayed. Rows stop
     at their own lengths, so the row count crosses buckets and several graphs are captured."""
-    from engine.cuda_graphs import BucketedStep
     from engine import speedups
+    from engine.cuda_graphs import BucketedStep
     ours = load_model(checkpoints("qwen2"), dtype=dtype, device=CUDA)[0]
     prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (4, 9, 13, 30)]
     steps, real = [], speedups.step_function
@@ -139,10 +144,10 @@ def test_cuda_graphs_with_a_lora_sampler(checkpoints, monkeypatch):
     """With --lora-rank the sampler is the policy itself, adapters and all (launch.whole_policy):
     its decode steps, LoRA's products among them, captured as CUDA graphs draw eager's samples in
     float32, for two settings of the same adapters (changed in place, as AdamW's step does)."""
-    from engine.cuda_graphs import BucketedStep
-    from variants.lora import add_lora
-    from test_model import randomise_lora_
     from engine import speedups
+    from engine.cuda_graphs import BucketedStep
+    from test_model import randomise_lora_
+    from variants.lora import add_lora
     steps, real = [], speedups.step_function
     monkeypatch.setattr(speedups, "step_function", lambda *args: steps.append(real(*args)) or steps[-1])
     ours = add_lora(load_model(checkpoints("qwen2"), dtype=torch.float32, device=CUDA)[0], rank=4)

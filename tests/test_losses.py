@@ -16,9 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import losses  # noqa: E402
+from losses import AGGREGATIONS, aggregate, kl_estimate, micro_batch_divisors, policy_loss  # noqa: E402
 from variants import objectives  # noqa: E402
-from losses import (AGGREGATIONS, aggregate, kl_estimate, micro_batch_divisors,  # noqa: E402
-                    policy_loss)
 from variants.objectives import gkl_loss  # noqa: E402
 
 F64 = torch.float64

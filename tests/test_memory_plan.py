@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conftest import FAMILIES, ROOT, tiny_config
+from model import PagedKVCache, Transformer
 from run import checkpoints, config, launch
 from run import memory_plan as mp
 from variants.lora import add_lora
-from model import PagedKVCache, Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import EOS_ID, FAMILIES, PAD_ID, WINDOW, hf_model, random_ids, tiny_checkpoint
-from run import checkpoints
 import model as M
-from variants import moe
-from run.checkpoints import load_model, save_model
-from variants.lora import LoRALinear, add_lora, lora_disabled, merge_lora
+from conftest import EOS_ID, FAMILIES, PAD_ID, WINDOW, hf_model, random_ids, tiny_checkpoint
 from model import PagedKVCache, token_logprobs
+from run import checkpoints
+from run.checkpoints import load_model, save_model
+from variants import moe
+from variants.lora import LoRALinear, add_lora, lora_disabled, merge_lora
 from variants.moe import Routing
 
 TOL = 1e-4  # float32 logit parity (issue 2, acceptance 1)
@@ -238,6 +238,7 @@ def test_saved_model_and_eval_results_follow_the_umask(tiny_ckpt, tmp_path):
     """final/ and eval.py's results are written under temporary names (private, 0700 and 0600,
     by default) and renamed: they get the permissions the user's umask gives any file."""
     import stat
+
     import eval as ev
     ours, tok = load_model(tiny_ckpt("llama"))
     old = os.umask(0o022)
@@ -838,6 +839,7 @@ def test_hub_id_without_config_fails_before_any_weight(monkeypatch, tmp_path):
 
 def test_gated_hub_id_fails_with_the_reason_before_any_weight(monkeypatch, tmp_path):
     import types
+
     import huggingface_hub
     fetched = _fake_hub(monkeypatch, tmp_path, None)
 

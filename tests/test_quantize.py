@@ -6,9 +6,9 @@ save_model merging into the dequantised weights, and the flags refused by name."
 import pytest
 import torch
 
-from variants import quantize
 from conftest import hf_model, random_ids
 from run.checkpoints import load_model, save_model
+from variants import quantize
 from variants.lora import add_lora
 from variants.quantize import NF4, NF4Linear, dequantize, nf4_levels
 
@@ -88,9 +88,8 @@ def test_weight_memory_is_about_a_quarter_of_bf16(tiny_ckpt):
 
 def test_lora_on_a_quantised_base_trains_only_the_adapters(tmp_path):
     """Two training steps: every adapter moved, nothing else (codes, maxima, norms, embeddings)."""
-    from run import config
-    from run import launch
     import train
+    from run import config, launch
     from test_train import BASE, digit_checkpoint, digit_data
     args, _ = config.parse_config(["--model", digit_checkpoint(tmp_path / "m"), "--data",
                                    digit_data(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run"),

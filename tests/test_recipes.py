@@ -226,6 +226,7 @@ def test_gpu_check_keeps_every_finished_part_when_cut_off(tmp_path):
     next part, as a GPU lease ending would kill it, and results.md still holds every outcome."""
     import signal
     import time
+
     from transformers import AutoTokenizer
     model = digit_checkpoint(tmp_path / "model", context=128)
     tokenizer = AutoTokenizer.from_pretrained(model)

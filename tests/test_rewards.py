@@ -17,12 +17,17 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import data  # noqa: E402
-from run import launch  # noqa: E402
 import rewards  # noqa: E402
-from tasks import verify  # noqa: E402
 from rewards import (  # noqa: E402
-    format_reward, math_reward, overlong_penalty, perplexity_penalty, rule_reward, xml_terms,
+    format_reward,
+    math_reward,
+    overlong_penalty,
+    perplexity_penalty,
+    rule_reward,
+    xml_terms,
 )
+from run import launch  # noqa: E402
+from tasks import verify  # noqa: E402
 from tasks.verify import answers_equal, extract_answer, is_correct, normalize_answer  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------

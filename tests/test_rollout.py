@@ -11,13 +11,19 @@ import pytest
 import torch
 
 from conftest import FAMILIES, ROOT, generate_args, random_ids
-from run.checkpoints import load_model
-from model import token_logprobs
-from rollout import (Completion, generate, inverse_cdf, sample_keys, sample_tokens,
-                     step_uniforms)
 from engine.paged import EngineOptions
 from engine.speedups import SpeedUps
-from rollout import Sampling
+from model import token_logprobs
+from rollout import (
+    Completion,
+    Sampling,
+    generate,
+    inverse_cdf,
+    sample_keys,
+    sample_tokens,
+    step_uniforms,
+)
+from run.checkpoints import load_model
 
 LP_TOL = 1e-3  # sampler log-probs against a fresh forward pass (issue 2, acceptance 2)
 
@@ -485,6 +491,7 @@ def test_greedy_matches_transformers_every_family(tiny, tiny_ckpt, family):
     left-padded batch; transformers each alone (its sliding window counts padding slots, so a
     padded row would see fewer real tokens there: padding must not change a row)."""
     from transformers import GenerationConfig
+
     from conftest import PAD_ID, hf_model
     model = tiny(family)
     prompts = tiny_prompts(model.config.vocab_size, lengths=(5, 12, 9))
@@ -565,6 +572,7 @@ def test_compiled_step_equals_eager(tiny, family, onednn, monkeypatch):
     cache's read length after its first change). With oneDNN's packed products
     (speed.pack_linears) the compiled step calls them too, as one opaque op."""
     import torch._dynamo
+
     from engine import speed as S
     monkeypatch.setenv("DAPO_CPU_ONEDNN", onednn)
     S.onednn_dtypes.cache_clear()

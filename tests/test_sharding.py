@@ -14,8 +14,18 @@ import pytest
 import torch
 
 from conftest import free_port, needs_cpp_compiler
-from test_train import (ROOT, assert_close_runs, assert_same_run, digit_checkpoint, digit_data,
-                        flags, kill_then_resume, metrics, run_train, torchrun)
+from test_train import (
+    ROOT,
+    assert_close_runs,
+    assert_same_run,
+    digit_checkpoint,
+    digit_data,
+    flags,
+    kill_then_resume,
+    metrics,
+    run_train,
+    torchrun,
+)
 
 pytestmark = pytest.mark.slow
 

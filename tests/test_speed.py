@@ -13,10 +13,10 @@ import sys
 import pytest
 import torch
 
-from engine import speed as S
-from run.checkpoints import load_model
 from conftest import ROOT, generate_args, needs_cpp_compiler, random_ids
+from engine import speed as S
 from model import token_logprobs
+from run.checkpoints import load_model
 from test_model import TOL, _assert_same_grads, _grads, _padded_batch, loaded, max_diff  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py

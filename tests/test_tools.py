@@ -12,9 +12,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tasks import episodes  # noqa: E402
-from tasks import tools  # noqa: E402
 from rollout import Completion  # noqa: E402
+from tasks import (
+    episodes,  # noqa: E402
+    tools,  # noqa: E402
+)
 
 needs_sandbox = pytest.mark.skipif(not tools.can_sandbox(), reason="no resource limits here")
 

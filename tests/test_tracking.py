@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from test_train import BASE, ROOT, metrics, run_train, tiny  # noqa: F401  (a fixture)
 from run import tracking
+from test_train import BASE, ROOT, metrics, run_train, tiny  # noqa: F401  (a fixture)
 
 sys.path.insert(0, str(ROOT))
 

@@ -28,8 +28,13 @@ def digit_checkpoint(directory, seed=0, context=64, moe=False, words=None):
     has the digits, so that a sampled answer is sometimes right and groups carry signal
     (`words`: another vocabulary)."""
     import tokenizers
-    from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
     special = ["<unk>", "<pad>", "<s>", "</s>"]
     vocab = {w: i for i, w in enumerate(special + (words or DIGITS + WORDS))}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
@@ -122,8 +127,7 @@ def weights(run_dir):
 
 def in_process_run(tmp_path, tiny, *extra):
     """A launch.Run built in this process (no torchrun): for the pieces of a step."""
-    from run import config
-    from run import launch
+    from run import config, launch
     model_dir, data_file = tiny
     args, _ = config.parse_config(["--model", model_dir, "--data", data_file, "--out",
                                    str(tmp_path / "run"), "--mini-batches", "1"] + BASE + list(extra))
@@ -179,8 +183,8 @@ def test_smoke_run_writes_everything(tiny, tmp_path):
 
 
 def test_every_preset_parses_and_flags_override():
-    from run import config
     import dapo
+    from run import config
     for name in dapo.PRESETS:
         args, _ = config.parse_config(["--preset", name, "--model", "x"])
         for key, value in dapo.PRESETS[name].items():
@@ -214,6 +218,7 @@ def test_overlong_window_scales_with_the_budget():
     """DAPO's 4,096 of 20,480 is a fifth; a fraction keeps it a fifth at any budget (it used to
     jump from 20% to 100% of the budget at 4,097 tokens)."""
     import argparse
+
     from run.config import overlong_cache_tokens
     def cache(value, budget):
         return overlong_cache_tokens(argparse.Namespace(overlong_cache=value, max_new_tokens=budget))
@@ -225,6 +230,7 @@ def test_learning_rate_counts_training_steps():
     """Warm-up and cosine count training steps: all mu updates of a step share one rate, and at
     mu > 1 the schedule does not reach its floor early."""
     import argparse
+
     from train import lr_at
     args = argparse.Namespace(lr=1.0, warmup_steps=2, lr_schedule="cosine", steps=12)
     rates = [lr_at(step, args) for step in range(12)]
@@ -555,9 +561,9 @@ def scripted_sampler(script):
 
 
 def test_dynamic_sampling_never_hangs_on_signal_less_groups(tiny, tmp_path, monkeypatch):
+    import train
     from run import launch
     from variants import refills
-    import train
     run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "4")
     fake, calls = scripted_sampler(lambda record, call: [call % 2 == 0] * 4)  # all right / all wrong
     monkeypatch.setattr(train, "sample_and_reward", fake)
@@ -571,9 +577,10 @@ def test_dynamic_sampling_fills_exactly_and_carries_surplus(tiny, tmp_path, monk
     """Informative groups are kept until the batch is full; with --keep-surplus the rest go to
     the next step, marked stale, and are used first there; without it they are dropped."""
     import dataclasses
+
+    import train
     from run import launch
     from variants import refills
-    import train
     run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "5", "--keep-surplus")
     # Round 0: groups 0 and 1 informative; round 1: all four.
     script = lambda record, call: [True, False] * 2 if call or int(record["id"][1:]) % 2 else [True] * 4
@@ -609,10 +616,10 @@ def test_refills_in_one_queue_sample_what_rounds_in_turn_do(tiny, tmp_path, monk
     cannot fill the batch) keep, sample, carry and draw from the stream exactly what rounds one
     after another do. With a row cap of one prompt's rows, round 1 is queued while round 0 still
     runs; a reward without variance runs every round."""
-    from run import launch
-    from variants import refills
     import rollout
     import train
+    from run import launch
+    from variants import refills
     reward = tmp_path / "reward.py"
     constant = extra == ["--reward-constant"]
     reward.write_text("def reward(text, record):\n    return -1.0\n" if constant
@@ -660,8 +667,8 @@ def test_refills_in_one_queue_sample_what_rounds_in_turn_do(tiny, tmp_path, monk
 
 
 def test_adversarial_variants_are_asked_in_the_next_round(tiny, tmp_path, monkeypatch):
-    from run import launch
     import train
+    from run import launch
     run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "1", "--adversarial")
     # Round 0: every prompt all right; its harder variants (new ids) come back informative.
     fake, calls = scripted_sampler(lambda record, call: [True] * 4 if call == 0 else [True, False] * 2)
@@ -677,8 +684,8 @@ def test_refills_with_variants_draw_only_the_fresh_prompts_they_need(tiny, tmp_p
     3 and 1 fresh prompt, round 2 four variants and none. The stream skips no prompt (it used to
     draw a whole batch for the 1 and drop the other 3 unseen)."""
     import data
-    from run import launch
     import train
+    from run import launch
     run = in_process_run(tmp_path, tiny, "--dynamic-sampling", "--max-refills", "2", "--adversarial")
     order = data.PromptStream(run.stream.source, run.args.prompts_per_step, seed=run.args.seed)
     expected = [r["id"] for _ in range(3) for r in next(order)]  # the stream's order, 12 records
@@ -789,6 +796,7 @@ def test_normalised_rollout_weights_average_one(tiny, tmp_path):
 def _weight_scale_worker(rank, world_size, init_file, out_file):
     """Rank r of 2 holds its own rows of the step; the scale is over both."""
     import torch.distributed as dist
+
     from variants import token_choice
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     whole = _scale_batch()
@@ -815,6 +823,7 @@ def _scale_run(level, world):
 def test_rollout_weight_scale_is_over_every_rank(tmp_path):
     """Two gloo ranks with a group each (3 and 4 tokens) get the scale one process gets for both."""
     import torch.multiprocessing as mp
+
     from variants import token_choice
     out = tmp_path / "scales.json"
     mp.spawn(_weight_scale_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
@@ -896,10 +905,10 @@ def test_reinforce_baseline_whitens_over_the_loss_tokens(tiny, tmp_path):
 def test_a_prompt_too_long_for_the_micro_batch_budget_is_refused_at_load(tiny, tmp_path):
     """The digit prompts are 50 tokens: with --micro-batch-tokens 52 and --max-new-tokens 3 a row
     could not fit a micro-batch alone, so the data is refused before any step, naming both."""
-    from run import config
-    import data
-    from run import launch
     from transformers import AutoTokenizer
+
+    import data
+    from run import config, launch
     model_dir, data_file = tiny
     args, _ = config.parse_config(["--model", model_dir, "--data", data_file, "--out",
                                    str(tmp_path / "run")] + BASE + ["--micro-batch-tokens", "52",
@@ -1028,9 +1037,9 @@ def test_reinforce_pp_preset_runs(tiny, tmp_path):
 def test_reward_flags_reach_the_reward(tiny, tmp_path):
     """--format-reward (including the XML recipe), --overlong-penalty and --ppl-penalty all
     reach rewards.math_reward (the format terms used to be always 0)."""
-    from run import config
     import rewards
     from rollout import Completion
+    from run import config
     args, _ = config.parse_config(["--model", "x", "--format-reward", "xml", "--correct-reward", "2",
                                    "--wrong-reward", "0", "--ppl-penalty", "beside",
                                    "--overlong-penalty", "--max-new-tokens", "20"])
@@ -1116,6 +1125,7 @@ def test_a_silent_run_is_warned_once_of_each_cause(tiny, tmp_path):
 
 def test_the_warnings_need_their_cause_three_steps_in_a_row():
     import types
+
     from run import metrics as step_metrics
     args = types.SimpleNamespace(reward="", max_new_tokens=64, template="none", temperature=1.0)
     watch = step_metrics.Watch(args, "an answer")
@@ -1136,6 +1146,7 @@ def test_no_warning_on_the_default_runs_logged(tmp_path):
     """The default preset's committed CPU runs (assets/grpo-vs-dpo-cpu, 3 seeds), through the
     watch: not one warning (their logs predate two of its fields: kept groups have a signal)."""
     import types
+
     from run import metrics as step_metrics
     for seed in range(3):
         folder = ROOT / "assets" / "grpo-vs-dpo-cpu" / f"dapo-s{seed}"
@@ -1173,8 +1184,7 @@ def test_chunked_gkl_term_equals_gkl_loss_on_whole_logits(tiny, tmp_path, agg):
     import types
 
     import data
-    from variants import objectives
-    from variants import reference
+    from variants import objectives, reference
     run = in_process_run(tmp_path, tiny, "--kl", "gkl", "--kl-coef", "1.0", "--loss-agg", agg,
                          "--gkl-beta", "2.0", "--gkl-gamma", "0.5", "--gkl-temperature", "1.5",
                          "--gkl-weight-temperature", "2.0")
@@ -1266,8 +1276,7 @@ def test_resume_before_the_first_checkpoint_starts_over(tiny, tmp_path):
 def test_a_resume_that_changes_the_model_is_refused_by_name(tmp_path, capsys):
     """A checkpoint holds the weights of one model, adapters and quantisation: a --resume with
     another is refused naming the flag; the same value again, or another flag, is fine."""
-    from run import config
-    from run import runs
+    from run import config, runs
     args, _ = config.parse_config(["--model", "some/model", "--lora-rank", "4"])
     runs.write_config(str(tmp_path), {k: v for k, v in vars(args).items() if k != "resume"})
     for flag, value in [("--model", "other/model"), ("--lora-rank", "8"), ("--quantize", "nf4")]:
@@ -1487,8 +1496,8 @@ def test_mini_batches_are_a_full_batchs_share(tiny, tmp_path, prompts_per_step, 
 def test_a_step_that_keeps_no_group_is_logged_not_scheduled(tiny, tmp_path, monkeypatch):
     """A step whose dynamic sampling kept nothing makes no update: it counts as a step (the log,
     --steps) but not on the learning-rate schedule's clock (warm-up, cosine), as in verl."""
-    from run import launch
     import train
+    from run import launch
     run = in_process_run(tmp_path, tiny, "--warmup-steps", "4", "--adv-estimator", "reinforce_baseline",
                          "--log-samples", "0")
     sampled = rollouts(advantages=None)
@@ -1521,10 +1530,11 @@ def test_a_run_on_a_read_only_file_system_is_named_not_a_traceback(tmp_path, mon
     """--resume's lock and runs.py's plot where nothing can be written (a read-only file system,
     stood in for by open and savefig raising EROFS there): a RunError saying what to do, and the
     plot written to a temporary folder instead, said on stderr."""
-    import errno
     import builtins
+    import errno
     matplotlib = pytest.importorskip("matplotlib")
     import matplotlib.figure  # (an attribute of matplotlib only once imported)
+
     from run import runs
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -1568,8 +1578,9 @@ def test_comparison_table_means_spreads_and_convergence():
 
 def family_checkpoint(directory, family):
     """conftest's tiny `family` model on the digit vocabulary of digit_checkpoint."""
-    from conftest import randomise_, tiny_config
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import randomise_, tiny_config
     digits = digit_checkpoint(Path(directory) / "digits")
     cfg = tiny_config(family)
     getattr(cfg, "text_config", cfg).vocab_size = len(AutoTokenizer.from_pretrained(digits))
@@ -1584,10 +1595,10 @@ def family_checkpoint(directory, family):
 def test_two_steps_on_each_family(tiny, tmp_path, family):
     """2 steps of train.py's loop on each new family (in this process: no interpreter start),
     and final/ loads in transformers (the MoE runs the whole CLI below)."""
-    from run import launch
-    from run import checkpoints
-    import train
     from transformers import AutoModelForCausalLM
+
+    import train
+    from run import checkpoints, launch
     model_dir = family_checkpoint(tmp_path / "model", family)
     # Every group trains and the entropy bonus gives a gradient even when no answer is right.
     run = in_process_run(tmp_path, (model_dir, tiny[1]), "--max-new-tokens", "20",
@@ -1643,8 +1654,8 @@ def test_replayed_routing_lines_up_with_the_packed_batch(tiny, tmp_path):
     tokens: with unchanged weights, a free forward over the packed batch routes exactly as
     replayed."""
     import data
-    from variants import moe
     import train
+    from variants import moe
     from variants.moe import Routing
     model_dir = family_checkpoint(tmp_path / "model", "qwen3_moe")
     run = in_process_run(tmp_path, (model_dir, tiny[1]), "--routing-replay")
@@ -1740,9 +1751,8 @@ def test_dpo_reads_untempered_log_probs(tiny, tmp_path):
     """DPO's implicit reward is beta * log(pi / pi_ref) of the policies themselves: the sampling
     temperature (0.5 here) must not divide the logits, or it changes the effective beta."""
     import data
-    from variants import objectives
-    from variants import reference
     from model import token_logprobs
+    from variants import objectives, reference
     run = in_process_run(tmp_path, tiny, "--preset", "dpo", "--temperature", "0.5")
     with torch.no_grad():  # a reference apart from the policy, so the margins are not all 0
         for p in run.reference.parameters():
@@ -1774,9 +1784,9 @@ def test_truncated_sampling_with_a_rollout_correction_is_refused(capsys):
 def test_every_turn_earns_its_perplexity_penalty(tiny, tmp_path, monkeypatch):
     """The perplexity penalty, like the overlong punishment, scores every turn of an episode (it
     used to read the last turn only): a confused first turn costs its episode."""
-    from tasks import episodes
     import train
     from rollout import Completion
+    from tasks import episodes
     run = in_process_run(tmp_path, tiny, "--ppl-penalty", "beside", "--ppl-threshold", "0.5",
                          "--ppl-window", "1.0", "--overlong-penalty", "--max-new-tokens", "4")
     turns = [episodes.Turn([2, 3], Completion(0, [5, 6], [-3.0, -3.0], "stop"), "Memory: 1"),  # nll 3
@@ -1887,8 +1897,8 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_one_before_stays(tiny, 
     """A full disk while a checkpoint is written: torch raises its own RuntimeError halfway
     through the file, which does not say ENOSPC. The run says the disk is full in one line (an
     exit, no traceback), leaves no half file, and the checkpoint before it loads."""
-    from run import runs
     import train
+    from run import runs
     model_dir, data_file = tiny
     out = tmp_path / "run"
     real_save, calls = torch.save, []
@@ -1924,8 +1934,9 @@ def test_a_full_disk_at_a_log_line_is_one_line_and_resume_holds_each_step_once(t
     says so; --resume goes on from the checkpoint, the torn line set aside, each step once."""
     import errno
     import gc
-    from run import runs
+
     import train
+    from run import runs
     model_dir, data_file = tiny
     out = tmp_path / "run"
     real_append = runs.append_line
@@ -1956,8 +1967,9 @@ def test_a_full_disk_at_a_log_line_is_one_line_and_resume_holds_each_step_once(t
 def test_a_full_disk_at_final_is_one_line_and_resume_writes_it(tiny, tmp_path, monkeypatch):
     import errno
     import gc
-    from run import launch
+
     import train
+    from run import launch
     model_dir, data_file = tiny
     out = tmp_path / "run"
 
@@ -1983,8 +1995,7 @@ def test_the_device_defaults_time_limit_checkpoints_and_activation_checkpointing
     """No --time-limit: 20 minutes on a CPU (the offline default run), none on CUDA; checkpoints
     every 5 minutes on a CPU, every 10 steps on CUDA (resolved at setup and saved; given flags
     win). --activation-checkpointing auto: off on a CPU; bare, on."""
-    from run import config
-    from run import launch
+    from run import config, launch
     model_dir, data_file = tiny
     argv = ["--model", model_dir, "--data", data_file, "--out", str(tmp_path / "run"), "--steps", "1",
             "--dtype", "float32", "--compile", "off", "--max-new-tokens", "3"]
@@ -2005,6 +2016,7 @@ def test_the_device_defaults_time_limit_checkpoints_and_activation_checkpointing
 
 def test_activation_checkpointing_auto_is_on_for_a_billion_parameters_on_cuda():
     from types import SimpleNamespace
+
     from run import config
     big, small = 1_000_000_000, 100
     for cuda, parameters, want in ((True, big, True), (True, small, False), (False, big, False)):
@@ -2020,8 +2032,9 @@ def test_ctrl_c_during_the_step_0_evaluation_is_one_line_and_the_run_goes_on(tin
     """SIGINT's handler for the steps starts after the step-0 held-out evaluation: Ctrl-C there
     (a KeyboardInterrupt) ends in one line with exit status 130, and --resume goes on."""
     import gc
-    from run import evaluation
+
     import train
+    from run import evaluation
     model_dir, data_file = tiny
     out = tmp_path / "run"
 

@@ -3,18 +3,20 @@ the groups with 0 < #correct < G, and samples another round while the batch is s
 --max-refills more. Each round's prompts and seeds are fixed by its place (`round_prompts`), so
 whether the rounds run one after another (`rounds_in_turn`) or join one running queue as soon as
 they are certainly needed (`rounds_in_one_queue`, one long tail a step instead of one a round),
-a step samples the same completions. train.collect_rollouts calls them.
+a step samples the same completions. train.collect_rollouts calls them. Beside them, what a
+round's prompts may add: harder (or hinted) variants of the prompts without a signal
+(--adversarial) and a number of samples by each prompt's accuracy so far (--adaptive-budget).
 """
 
 import random
 from dataclasses import replace
 
-from run import config
 import dapo
 import data
-from tasks import episodes
-from run.distributed import gather
 import rollout
+from run import config
+from run.distributed import gather
+from tasks import episodes
 
 
 def with_signal(batch):
