@@ -14,16 +14,16 @@
 
 `--data` is whatever data.load_records takes: gsm8k, math500, aime24, dapo-math-17k (hub),
 arithmetic[:key=value,...] (synthetic; split "test" is its fixed held-out set, 200 problems unless
---limit says otherwise), countdown[:key=value,...] (countdown.py; its held-out problems, judged by
+--limit says otherwise), countdown[:key=value,...] (tasks/countdown.py; its held-out problems, judged by
 its own reward), or a local .jsonl/.json/.parquet file with the hub's field names (`--reward
 FILE.py:FUNCTION` judges its replies with your own function); or the memory task in turns,
-memory[:key=value,...] (episodes.py; its held-out diaries, 50 unless --limit says otherwise, as
+memory[:key=value,...] (tasks/episodes.py; its held-out diaries, 50 unless --limit says otherwise, as
 the dapo-memory preset evaluates).
 
     # a memory run's model on 12-page diaries, four times longer than it was trained on
     python eval.py --model runs/my-memory-run/final --data memory:pages=12,max=9,filler=2,ask=first --limit 50
 
-How one evaluation runs, and what each metric means: evaluation.py (train.py's held-out
+How one evaluation runs, and what each metric means: run/evaluation.py (train.py's held-out
 evaluation calls the same `evaluate`, so a checkpoint gets the same numbers from both). Prompts
 are formatted with data.format_prompt; the template defaults by data: the bare question ("none")
 for the synthetic tasks (arithmetic, memory), as train.py prompts them; the DAPO "Answer:"

@@ -22,10 +22,10 @@ Gemma 3 (text, or the language model of an image-text checkpoint):
 Also here: `PagedKVCache` (keys and values in fixed-size blocks that rows hold through block
 tables) and `Transformer.paged`, the sampler's forward over it (engine/paged.py keeps the
 blocks and the queue); `token_logprobs` (log-probs and entropies of given tokens, the vocabulary
-projection in chunks recomputed in backward by chunked_logprobs.py: no (B, T, V) tensor is held).
-Beside it: moe.py (the experts), lora.py, checkpoints.py (`load_model`, `save_model`),
-speed.py (CPU speed-ups applied from outside: packed sampling products, compiled blocks),
-bench.py (speed against transformers).
+projection in chunks recomputed in backward by engine/chunked_logprobs.py: no (B, T, V) tensor is
+held). Beside it: variants/moe.py (the experts), variants/lora.py, run/checkpoints.py
+(`load_model`, `save_model`), engine/speed.py (CPU speed-ups applied from outside: packed sampling
+products, compiled blocks), recipes/bench.py (speed against transformers).
 
     python -m pytest tests/test_model.py     # parity with transformers, family by family
 """

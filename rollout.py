@@ -186,9 +186,9 @@ class Sampling:
     """How a call's rows draw their tokens (nano-vllm's SamplingParams)."""
     max_new_tokens: int = 256
     temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0        # nucleus: the smallest prefix of the sorted distribution of mass >= top_p
+    top_p: float = 1.0        # nucleus: the fewest most likely tokens of mass >= top_p
     top_k: int = 0            # 0: every token
-    stop_token_ids: tuple = ()
+    stop_token_ids: tuple | list = ()  # ids that end a row (kept as its last token)
     seed: int | list = 0      # an int, or one per prompt: with the sample's index, its random stream
 
 
@@ -236,19 +236,16 @@ def generate(model: Transformer, prompts, sampling=Sampling(), *, num_samples=1,
     row cap. stats: a dict, given the engine's counts (Engine.counts, and a graphed step's).
     -> list[Completion], prompt-major. The same seed gives the same samples, whatever the engine."""
     counts, seeds = _check_inputs(model, prompts, num_samples, sampling, check_every, sampling.seed)
-    if engine.block_size < 1 or engine.prefill_tokens < 1 or \
-            (engine.max_rows is not None and engine.max_rows < 1):
-        raise ValueError(f"generate: need block_size, prefill_tokens and max_rows >= 1; got "
-                         f"{engine.block_size}, {engine.prefill_tokens}, {engine.max_rows}")
     rows, record = engine.max_rows or sum(counts), record_routing and model.config.num_experts > 0
-    speed = engine.speed
-    step_fn = speed.step(model, record) if speed else decode_step
-    cache = speed.cache(model, engine.kv_budget, step_fn) if speed else PagedKVCache
+    speed = engine.speed  # (None: the plain step and cache, below)
+    step_fn, cache = speed.choose(model, record, engine.kv_budget) if speed else \
+        (decode_step, PagedKVCache)
     graphs = getattr(step_fn, "capture", False)  # CUDA graphs hold the step's memory once more
     with speed.context() if speed else contextlib.nullcontext():
         blocks = pool_blocks(model, prompts, counts, sampling.max_new_tokens, engine.block_size,
                              engine.kv_budget, rows, graphs, cache)
-        running = Engine(model, blocks, engine.block_size, rows, engine.prefill_tokens, record, cache)
+        running = Engine(model, blocks, engine.block_size, rows, engine.prefill_tokens, record,
+                         cache)
         running.add(prompts, counts, sample_keys(seeds, counts), sampling.max_new_tokens)
         run_engine(running, step_fn, sampling, stream, check_every, on_group)
     if stats is not None:
@@ -256,47 +253,48 @@ def generate(model: Transformer, prompts, sampling=Sampling(), *, num_samples=1,
     return [completion(row) for row in running.rows]
 
 
-def run_engine(engine, step_fn, sampling, stream, check_every, on_group):
-    """Prefills and decode steps until no row is left: prompts first (their rows join the next
-    decode step), and on_group's further prompts queued as each group ends."""
+def run_engine(running, step_fn, sampling, stream, check_every, on_group):
+    """Prefills and decode steps of the `running` Engine until no row is left: prompts first
+    (their rows join the next decode step), and on_group's further prompts queued as each group
+    ends."""
     draw = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
     stop_ids, max_new_tokens, steps = set(sampling.stop_token_ids), sampling.max_new_tokens, 0
 
     def draw_first(logits, keys):  # a prompt's rows' first tokens: draw 0 of each row's stream
         return sample_tokens(logits, step_uniforms(keys, 0), **draw)
 
-    while engine.busy():
-        engine.admit()
-        if engine.prefilling:
-            engine.prefill(draw_first, stop_ids, max_new_tokens)
+    while running.busy():
+        running.admit()
+        if running.prefilling:
+            running.prefill(draw_first, stop_ids, max_new_tokens)
         else:
-            engine.decode(step_fn, draw, stop_ids, max_new_tokens)
+            running.decode(step_fn, draw, stop_ids, max_new_tokens)
             steps += 1
             if stream and steps % (check_every or 1) == 0:
-                stream(tokens_so_far(engine.rows))
-        for index in engine.groups_ended():
-            more = on_group(index, [completion(row) for row in engine.groups[index]]) \
+                stream(tokens_so_far(running.rows))
+        for index in running.groups_ended():
+            more = on_group(index, [completion(row) for row in running.groups[index]]) \
                 if on_group else None
             if more:
-                queue_more(engine, more, sampling, check_every)
+                queue_more(running, more, sampling, check_every)
 
 
 def completion(row):
-    """An engine.Row's result."""
+    """An engine/paged.py Row's result."""
     routing = None if row.routes is None else row.routes[:len(row.prompt) + len(row.tokens)].cpu()
     return Completion(row.prompt_index, row.tokens, row.logprobs, row.finish, routing)
 
 
-def queue_more(engine, more, sampling, check_every):
+def queue_more(running, more, sampling, check_every):
     """Queues what on_group returned, (prompts, num_samples, seeds), checked as a call's own
     prompts are (and its seeds one per prompt: an int would repeat the first prompts' streams)."""
     prompts, counts, seeds = more
     if not isinstance(seeds, (list, tuple)):
         raise ValueError(f"generate: on_group's seeds must be one int per prompt, got {seeds!r}")
-    counts, seeds = _check_inputs(engine.model, prompts, counts, sampling, check_every, seeds)
-    refuse_unfit(prompts, sampling.max_new_tokens, engine.block_size, engine.cache.block_bytes,
-                 engine.pool.size)
-    engine.add(prompts, counts, sample_keys(seeds, counts), sampling.max_new_tokens)
+    counts, seeds = _check_inputs(running.model, prompts, counts, sampling, check_every, seeds)
+    refuse_unfit(prompts, sampling.max_new_tokens, running.block_size, running.cache.block_bytes,
+                 running.pool.size)
+    running.add(prompts, counts, sample_keys(seeds, counts), sampling.max_new_tokens)
 
 
 def decode_step(model, fed, start, tables, cache, keys, draws, temperature, top_p, top_k,

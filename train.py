@@ -14,18 +14,20 @@ it acts only with --mini-batches > 1, the paper's 16), (2) dynamic sampling (eq.
 token-level loss (eq. 12), (4) overlong reward shaping (eq. 13).
 One training step (`train_step`), numbered as the code below:
   1. Sample G completions of each prompt and reward them (eq. 7 and 13); a task in turns
-     (episodes.py) samples G episodes, rewarded by their outcome, a row per turn.
-  2. Filter and refill the groups (eq. 11; the rounds in refills.py).
+     (tasks/episodes.py) samples G episodes, rewarded by their outcome, a row per turn.
+  2. Filter and refill the groups (eq. 11; the rounds in variants/refills.py).
   3. Old log-probs: the trainer scores the batch before its first update (pi_old of eq. 10).
   4. Advantages within each group (eq. 9), or per token (REINFORCE++, which reads pi_old).
   5. Updates on mini-batches of 1/mu of a full batch, accumulated over micro-batches with the
      token counts of the whole mini-batch over all ranks as divisors (eq. 10 and 12).
   6. Metrics: named sums, reduced over ranks in one call; rank 0 writes them.
 --steps counts these training steps; the schedule counts those that made an optimizer step.
-What is not DAPO stays beside this file: setup, checkpoints and held-out evaluation in launch.py,
-step 6's metrics in metrics.py, tasks in turns in episodes.py, the objectives since DAPO in
-objectives.py and token_choice.py, the reference policy's terms and DPO in reference.py, routing
-replay in moe.py.
+Steps 1 and 2 are one call (`collect_rollouts`): the rounds of dynamic sampling run as one queue
+(variants/refills.py). What is not DAPO stays beside this file, reached where a flag asks: the
+run's setup, checkpoints and logs in run/launch.py, the held-out evaluation in run/evaluation.py,
+step 6's metrics in run/metrics.py, tasks in turns in tasks/episodes.py, the objectives since DAPO
+in variants/objectives.py and variants/token_choice.py, the reference policy's terms and DPO in
+variants/reference.py, routing replay in variants/moe.py.
 """
 
 import dataclasses
@@ -378,8 +380,9 @@ def update(run, batch, step=0):
             chosen = token_choice.chosen_tokens(run, micro, f"{args.seed}:{step}:{index}")
         run.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
+        precision = distributed.autocast(run.args.device, run.bf16)
         for k, (mb, divisor, choice) in enumerate(zip(micro, divisors, chosen)):
-            with distributed.accumulating(run.model, last=k == len(micro) - 1), distributed.autocast(run.args.device, run.bf16):
+            with distributed.accumulating(run.model, last=k == len(micro) - 1), precision:
                 loss, mb_sums, mb_maxima = policy_gradient_loss(run, mb, divisor, choice)
                 # DDP and FSDP average gradients over ranks; the divisors are already global, so
                 # scale back up to make that average a sum (the update then equals one device's).

@@ -123,8 +123,9 @@ def compiled_sampling(sample_tokens, step_uniforms):
 
 class CompiledBlocks:
     """rollout.decode_step with each block's forward compiled, and its sampling (rollout's
-    `sample_tokens` and `step_uniforms`, handed in): SpeedUps(compile=True, cuda_graphs=True). Compiling the whole step unrolls every layer into one graph
-    (its first call outlasted 4 minutes on an H100, MEASUREMENTS.md "On a GPU"); a block compiles
+    `sample_tokens` and `step_uniforms`, handed in): SpeedUps(compile=True, cuda_graphs=True).
+    Compiling the whole step unrolls every layer into one graph (its first call outlasted 4
+    minutes on an H100, MEASUREMENTS.md "On a GPU"); a block compiles
     once and every layer reuses the graph, as nothing in it names its layer: each layer is handed
     the cache of its own keys and values alone (`one_layer`) as layer 0. The blocks' forwards are
     swapped for the step only (the prefill stays eager). Under CUDA graphs the compiles run in a

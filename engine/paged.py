@@ -37,9 +37,16 @@ class EngineOptions:
     max_rows: int | None = None     # rows running at once (None: all)
     block_size: int = 16            # positions a block holds
     prefill_tokens: int = 8192      # the most positions one prefill forward computes
-    # The speed-ups, chosen outside this file (engine/speedups.py's SpeedUps): the decode step,
-    # the cache's class and the context the call runs in. None: the plain step and cache.
+    # The speed-ups, chosen outside this file: None (the plain decode step and PagedKVCache), or
+    # an object with choose(model, record, kv_budget) -> (decode step, cache class) and context()
+    # (engine/speedups.py's SpeedUps).
     speed: object = None
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.prefill_tokens < 1 or \
+                (self.max_rows is not None and self.max_rows < 1):
+            raise ValueError(f"generate: need block_size, prefill_tokens and max_rows >= 1; got "
+                             f"{self.block_size}, {self.prefill_tokens}, {self.max_rows}")
 
 
 @dataclass

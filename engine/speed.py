@@ -4,7 +4,7 @@ are): the model file holds the model, in plain nn.Linear; nothing here acts at i
     pack_linears(model)      the sampler's products on oneDNN with weights packed once (a CPU)
     sampling_products()      the context a sampler runs in (SpeedUps.context): packed products on
     KeptRowsKVCache          the paged cache keeping the decoding rows' keys gathered between
-                             steps (a CPU's eager decode steps with no KV budget: SpeedUps.cache)
+                             steps (a CPU's eager decode steps with no KV budget: SpeedUps.choose)
     keep_freed_memory()      glibc keeps freed blocks: no page faults at every decode step
     compile_blocks(model)    torch.compile each block for the training and scoring forwards
 
@@ -146,8 +146,8 @@ _SAMPLERS_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def sampling_products():
-    """Within it (a rollout.generate call given SpeedUps), a CPU's PackedLinear products run on packed oneDNN weights
-    where that is faster (`onednn_dtypes`), until the last sampler running (of any thread) has
+    """Within it (a rollout.generate call given SpeedUps), a CPU's PackedLinear products run on
+    packed oneDNN weights where that is faster (`onednn_dtypes`), until the last sampler running (of any thread) has
     returned. A model never given to pack_linears computes as it would outside."""
     global _ONEDNN_DTYPES, _SAMPLERS
     dtypes = onednn_dtypes()  # (before counting: should it raise, no sampler is left counted)
@@ -173,7 +173,7 @@ class KeptRowsKVCache(PagedKVCache):
     step when no row stops early (MEASUREMENTS.md, "The engine"). The copy is gathered again when
     the rows change (a prefill, a row that ends, a block copied on write) or their tables widen
     (every block_size steps). It holds the decoding rows' keys once more beside the pool, so
-    engine.Engine takes it for a CPU's eager decode steps with no KV budget only.
+    SpeedUps.choose (speedups.py) takes it for a CPU's eager decode steps with no KV budget only.
     """
 
     def __init__(self, *args, **kwargs):

@@ -30,20 +30,20 @@ class SpeedUps:
 
     def __post_init__(self):
         if self.flex_attention and self.compile and self.cuda_graphs:  # CompiledBlocks: one layer
-            raise ValueError("generate: flex_attention with compile and cuda_graphs: one or the other")
+            raise ValueError("SpeedUps: flex_attention with compile and cuda_graphs: one or the "
+                             "other")
 
-    def step(self, model, record):
-        """The decode step (eager on an MoE, or when its routes are recorded: experts are read
-        on the host)."""
-        return step_function(model, self.compile, record, self.cuda_graphs)
-
-    def cache(self, model, kv_budget, step):
-        """The KV cache's class for a call of this step under kv_budget."""
+    def choose(self, model, record, kv_budget):
+        """-> (the decode step, the KV cache's class) of a call: the step eager on an MoE or when
+        its routes are recorded (experts are read on the host); FlexAttention's cache, or on a CPU
+        with no KV budget and an eager step the rows kept gathered (it holds the decoding rows
+        once more beside the pool: only where no budget bounds the pool), else the plain one."""
+        step = step_function(model, self.compile, record, self.cuda_graphs)
         if self.flex_attention:
-            return FlexPagedKVCache
+            return step, FlexPagedKVCache
         if kv_budget is None and step is decode_step and model.device.type == "cpu":
-            return KeptRowsKVCache  # it holds the decoding rows once more: only with no budget
-        return PagedKVCache
+            return step, KeptRowsKVCache
+        return step, PagedKVCache
 
     def context(self):
         return sampling_products()  # a CPU's products on packed weights (speed.pack_linears)

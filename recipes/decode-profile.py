@@ -13,7 +13,7 @@ CPU or CUDA: the wall milliseconds of a step, eager. On CUDA also: replayed as a
 for each bucket of rows and blocks its steps come in); the kernels' own time a step by kind
 (torch.profiler), against which the gaps between them show. --fused: then the same with each
 block and the draw compiled (cuda_graphs.CompiledBlocks: one graph every layer reuses, one for
-the draw; what `generate(compile=True, cuda_graphs=True)` replays): whether fewer, fused kernels
+the draw; what `SpeedUps(compile=True, cuda_graphs=True)` replays): whether fewer, fused kernels
 pay. The
 model is random, in bf16; each row has --context positions cached in blocks of its own and feeds
 one token; temperature 1.
@@ -33,7 +33,8 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [HERE, os.path.join(HERE, "recipes")]
 from importlib import import_module  # noqa: E402
 
-from engine.cuda_graphs import BucketedStep, CompiledBlocks, bucket  # noqa: E402
+from engine.cuda_graphs import BucketedStep, CompiledBlocks  # noqa: E402
+from engine.paged import bucket  # noqa: E402
 from model import ModelConfig, PagedKVCache, Transformer  # noqa: E402
 from rollout import decode_step, sample_tokens, step_uniforms  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The host's share of a decode step, another checkout's engine against this one's, side by side in
-one process: what engine.Engine.decode does around the model's step (block tables and inputs built
+one process: what engine.paged.Engine.decode does around the model's step (block tables and inputs built
 from Python lists, the pool's bookkeeping, each row's token appended). A GPU waits on it every
 step: a step's tokens are read back once, and the next step is built only then.
 
@@ -70,8 +70,9 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args()
-    if not os.path.isfile(os.path.join(args.before, "engine", "paged.py")):
-        parser.error(f"{args.before}: no engine/paged.py there; give a checkout (of this layout) of this repository")
+    if not any(os.path.isfile(os.path.join(args.before, *name)) for name in
+               [("engine", "paged.py"), ("engine.py",)]):
+        parser.error(f"{args.before}: no engine/paged.py there; give a checkout of this repository")
     if args.rows < 16 or args.rows % 16:
         parser.error(f"--rows: a multiple of 16, got {args.rows}")
     for flag, value, least in (("--prompt", args.prompt, 1), ("--new-tokens", args.new_tokens, 2),

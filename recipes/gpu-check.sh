@@ -24,7 +24,7 @@
 #             shape; on a CPU its tiny one): a decode step's operations by kind, its milliseconds
 #             eager and as a CUDA graph, its kernels' own time by kind; at the first row count
 #             again with each block and the draw compiled (--fused: cuda_graphs.CompiledBlocks)
-#   blocks    CUDA graphs of compiled blocks (generate(compile=True, cuda_graphs=True)): their test
+#   blocks    CUDA graphs of compiled blocks (SpeedUps(compile=True, cuda_graphs=True)): their test
 #             against eager, then the long tail against the graphs of eager blocks
 #   compiled  the compiled decode step's tests, then its speed against eager (SKIP_COMPILE=1: not)
 # On an H100 (MEASUREMENTS.md, "On a GPU"): all before `profile` took ~570 s, the default BUDGET

@@ -25,7 +25,10 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OWN = ("model", "rollout", "data", "engine", "variants", "run", "tasks")  # per checkout
+# Imported once per checkout: the packages whole, and the flat modules of a checkout from before
+# the packages (one with engine.py at its root: its speed.py is this checkout's engine/speed.py).
+OWN = ("model", "rollout", "data", "engine", "variants", "run", "tasks", "moe", "chunked_logprobs",
+       "cuda_graphs", "flex_decode", "checkpoints", "lora", "quantize", "verify", "speed")
 SHARED = ("engine.speed",)  # imported once: its op registers once per process
 WHERE = {"engine": "engine.paged", "checkpoints": "run.checkpoints"}  # short names of the modules
 
@@ -34,13 +37,21 @@ def own(name):
     return name not in SHARED and name.split(".")[0] in OWN
 
 
+def flat(path):
+    """Whether the checkout at path is of the layout before the packages (engine.py at its root)."""
+    return os.path.isfile(os.path.join(path, "engine.py"))
+
+
 def import_checkout(path, names=("rollout", "checkpoints", "model")):
-    """-> {name: module} of the checkout at path, for `names` (short: "engine" is engine/paged.py),
-    without disturbing sys.modules."""
+    """-> {name: module} of the checkout at path, for `names` (short: "engine" is engine/paged.py,
+    or a flat checkout's engine.py), without disturbing sys.modules."""
     saved = {name: sys.modules.pop(name) for name in list(sys.modules) if own(name)}
+    if flat(path):  # its `import speed` is this checkout's, as its own was shared before
+        sys.modules["speed"] = importlib.import_module("engine.speed")
     sys.path.insert(0, path)
     try:
-        return {name: importlib.import_module(WHERE.get(name, name)) for name in names}
+        return {name: importlib.import_module(name if flat(path) else WHERE.get(name, name))
+                for name in names if not (flat(path) and name == "engine.speedups")}
     finally:
         sys.path.remove(path)
         for name in [name for name in sys.modules if own(name)]:
@@ -77,8 +88,11 @@ def load_checkout(path, dtype, stops):
 
 def with_options(modules):
     """A checkout's generate, called with flat keywords: its own Sampling and, speed-ups as
-    train.py's (eager), its own EngineOptions and SpeedUps."""
-    rollout, paged, speedups = modules["rollout"], modules["engine"], modules["engine.speedups"]
+    train.py's (eager), its own EngineOptions and SpeedUps (a flat checkout's takes the keywords)."""
+    rollout, paged, speedups = modules["rollout"], modules["engine"], modules.get("engine.speedups")
+    if speedups is None:
+        return lambda model, prompts, num_samples, **sampling: rollout.generate(
+            model, prompts, num_samples=num_samples, compile=False, **sampling)
 
     def generate(model, prompts, num_samples, **sampling):
         engine = paged.EngineOptions(speed=speedups.SpeedUps(compile=False))
@@ -101,8 +115,8 @@ def main():
                         help="the sampler's weights (default: train.py's choice on this CPU)")
     parser.add_argument("--alone", action="store_true", help="also draw each prompt alone")
     args = parser.parse_args()
-    if not os.path.isfile(os.path.join(args.before, "engine", "paged.py")):
-        parser.error(f"{args.before}: no engine/paged.py there; give a checkout of this repository")
+    if not os.path.isfile(os.path.join(args.before, "rollout.py")):
+        parser.error(f"{args.before}: no rollout.py there; give a checkout of this repository")
     sys.path.insert(0, HERE)
     import bench  # noqa: E402 (this checkout's; speed.py comes with it, once)
     from engine.speed import keep_freed_memory

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graphs import bucket
-from engine.paged import decode_working_bytes
+from engine.paged import bucket, decode_working_bytes
 from model import ModelConfig, Transformer
 from run import config
 
@@ -142,7 +141,7 @@ def plan(cfg: ModelConfig, *, world: int, distributed: bool, fsdp: bool, bf16: b
          micro_batch_tokens: int, checkpointing: bool, kv_budget: float = 0.0,
          capacity: float | None = None, cuda_graphs: bool = False) -> list[Term]:
     """The terms of one rank's memory: `rows` its rollout rows a step, `capacity` the device's
-    bytes where known (the KV pool then holds what is left, as engine.pool_blocks sizes it),
+    bytes where known (the KV pool then holds what is left, as paged.pool_blocks sizes it),
     `cuda_graphs` whether the decode steps replay as CUDA graphs (their pool is memory apart)."""
     P, trained = parameter_counts(cfg, lora_rank)
     split = world if fsdp else 1  # FSDP2 shards weights, gradients and optimizer state
@@ -170,7 +169,7 @@ def plan(cfg: ModelConfig, *, world: int, distributed: bool, fsdp: bool, bf16: b
     terms.append(Term("update", "activations",
                       activation_bytes(cfg, tokens, micro_rows, longest_row, bf16, checkpointing),
                       f"{tokens:,} tokens, {how}"))
-    step = decode_working_bytes(cfg, rows)  # what engine.pool_blocks leaves free, too
+    step = decode_working_bytes(cfg, rows)  # what paged.pool_blocks leaves free, too
     rollout = [Term("rollout", "decode logits", step, f"{rows} rows x V x 12 B")]
     if cuda_graphs:  # the graphs' own pool holds the step's intermediates again, padded rows
         rollout.append(Term("rollout", "CUDA graphs", decode_working_bytes(cfg, rows, True) - step,

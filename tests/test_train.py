@@ -1459,7 +1459,7 @@ def test_a_bad_out_or_an_inert_flag_fails_before_any_work(tiny, tmp_path, capsys
                              (["--lora-rank", "8", "--quantize", "nf4"], cuda, False)]:
         args, _ = config.parse_config(argv)
         config.on_device(args, device)
-        assert config.sampling_options(args, [])["cuda_graphs"] is on, (argv, device)
+        assert config.sampling_options(args, [])["engine"].speed.cuda_graphs is on, (argv, device)
     if not torch.cuda.is_available():
         proc = run_train(["--model", model_dir, "--data", data_file, "--out", str(tmp_path / "g"),
                           "--cuda-graphs"] + BASE, check=False)

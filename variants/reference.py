@@ -101,8 +101,9 @@ def dpo_update(run, batch, count):
             continue
         run.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
+        precision = distributed.autocast(run.args.device, run.bf16)
         for k, mb in enumerate(micro):
-            with distributed.accumulating(run.model, last=k == len(micro) - 1), distributed.autocast(run.args.device, run.bf16):
+            with distributed.accumulating(run.model, last=k == len(micro) - 1), precision:
                 loss, mb_sums = dpo_loss(run, mb)
                 (loss * run.world).backward()  # DDP averages over ranks: make it a sum
             loss_sum += float(loss.detach())
