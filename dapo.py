@@ -266,9 +266,8 @@ def reinforce_pp_advantages(rewards, kl, counted, beta: float, reduce=None, gamm
 # ---------------------------------------------------------------------------------------------
 
 def task_scores(reward_parts, correct) -> list[float]:
-    """Each row's task score, before any shaping term: what dynamic sampling compares within a
-    group (eq. 11: the rule reward's +1 / -1 is its correctness; a --reward function's value, its
-    "correct" part; a row without the part, its correctness). reward_parts (N,) dicts, correct (N,)."""
+    """(N,) each row's score before any shaping term, what eq. 11 compares within a group: its
+    "correct" part (the rule reward's +1 / -1, a --reward function's value), else its correctness."""
     return [parts.get("correct", float(right)) for parts, right in zip(reward_parts, correct)]
 
 

@@ -226,18 +226,16 @@ def _check_inputs(model, prompts, num_samples, sampling, check_every, seed):
 def generate(model: Transformer, prompts, sampling=Sampling(), *, num_samples=1,
              engine=EngineOptions(), record_routing=False, stream=None, check_every=None,
              on_group=None, stats=None):
-    """prompts: token-id lists; num_samples: an int, or one per prompt; sampling: `Sampling`;
-    engine: `EngineOptions` (engine/paged.py: the KV budget, the row cap, the speed-ups chosen
-    outside this file). record_routing: on an MoE, each Completion's `.routing` holds every
-    position's experts. stream: called every `check_every` decode steps (None: 1) with the tokens
-    so far, (B, longest), 0 past a row's end (recipes/demo.py). on_group(prompt index, its
-    Completions), as each prompt's last row ends, may return (prompts, num_samples, seeds) lists
-    to queue on, numbered on from those so far (variants/refills.py), sharing the call's pool and
-    row cap. stats: a dict, given the engine's counts (Engine.counts, and a graphed step's).
-    -> list[Completion], prompt-major. The same seed gives the same samples, whatever the engine."""
+    """prompts: token-id lists; num_samples: an int, or one per prompt; engine: EngineOptions (the
+    KV budget, the row cap, speed-ups chosen outside this file). record_routing: an MoE's
+    Completions hold each position's experts. stream: called every `check_every` decode steps
+    (None: 1) with the tokens so far, (B, longest), 0 past a row's end. on_group(prompt index, its
+    Completions), as each prompt's last row ends, may return (prompts, num_samples, seeds) to
+    queue on, numbered on from those so far (variants/refills.py). stats: a dict, given the
+    engine's counts. -> list[Completion], prompt-major; the same seed, the same samples."""
     counts, seeds = _check_inputs(model, prompts, num_samples, sampling, check_every, sampling.seed)
     rows, record = engine.max_rows or sum(counts), record_routing and model.config.num_experts > 0
-    speed = engine.speed  # (None: the plain step and cache, below)
+    speed = engine.speed  # None: the plain step and cache
     step_fn, cache = speed.choose(model, record, engine.kv_budget) if speed else \
         (decode_step, PagedKVCache)
     graphs = getattr(step_fn, "capture", False)  # CUDA graphs hold the step's memory once more

@@ -23,7 +23,6 @@ draws both against training minutes (evaluation excluded) and against steps.
 import argparse
 import ast
 import io
-import json
 import os
 import re
 import sys
@@ -31,6 +30,9 @@ import tokenize
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from run import runs  # noqa: E402 (the run directory's logs, its plotting)
+
 STEP_FILE, STEP_FUNCTION = "train.py", "train_step"
 CARD = ("train.py", "dapo.py", "losses.py", "rewards.py", "rollout.py", "model.py", "data.py", "eval.py")
 PACKAGES = ("engine", "variants", "tasks", "run")
@@ -150,7 +152,6 @@ PREDICATES = {"in_turns": (False, "a task in turns"), "takes_turns": (False, "a 
 
 def preset_flags():
     """train.py's flags under --preset dapo: argparse's defaults, then the preset."""
-    sys.path.insert(0, ROOT)
     from run import config
     import dapo
     flags = vars(config.build_parser().parse_args([]))
@@ -569,7 +570,7 @@ def branches(call):
 
 
 def draw_step(steps, out):
-    pyplot = _pyplot()
+    pyplot = runs._pyplot()
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
     mono = "DejaVu Sans Mono"
@@ -690,26 +691,12 @@ def shorten(text, width):
 
 # ---- the learning curve -------------------------------------------------------------------------
 
-def read_jsonl(path):
-    rows = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        pass  # a line cut by a crash: the rest still draws
-    return rows
-
-
 def draw_curve(run_dir, out):
-    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    evals = read_jsonl(os.path.join(run_dir, "eval.jsonl"))
+    metrics = runs.read_lines(os.path.join(run_dir, "metrics.jsonl"))
+    evals = runs.read_lines(os.path.join(run_dir, "eval.jsonl"))
     if not metrics or not evals:
         sys.exit(f"figures.py: {run_dir} needs metrics.jsonl and eval.jsonl, each with a readable line")
-    pyplot = _pyplot()
+    pyplot = runs._pyplot()
     evals = sorted(evals, key=lambda e: e["step"])
     fig, axes = pyplot.subplots(1, 2, figsize=(12, 4.3), sharey=True)
     problems = evals[-1].get("n")
@@ -743,16 +730,6 @@ def draw_curve(run_dir, out):
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     print(out)
-
-
-def _pyplot():
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as pyplot
-    except ImportError:
-        sys.exit("figures.py: drawing needs matplotlib (pip install matplotlib)")
-    return pyplot
 
 
 def main(argv=None):

@@ -417,8 +417,8 @@ def answer_format(run):
     if args.reward:
         return f"what {args.reward} scores (your function)"
     if run.reward_function is countdown.reward:
-        return 'an "Answer: <expression>" line on the given numbers (countdown.py)'
-    return ('an "Answer: X" line or a \\boxed{X} with the right answer (verify.py)'
+        return 'an "Answer: <expression>" line on the given numbers (tasks/countdown.py)'
+    return ('an "Answer: X" line or a \\boxed{X} with the right answer (tasks/verify.py)'
             + (f", in the {args.format_reward} format" if args.format_reward != "none" else ""))
 
 

@@ -224,3 +224,34 @@ def test_copied_alone_it_runs(copied, tmp_path):
     proc = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"a copy of {files}:\n{proc.stderr[-3000:]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's map
+
+
+def test_the_readme_map_names_what_is_there():
+    """The README teaches in at most 450 lines, none over 120 characters and no table cell over
+    200, and its annotated tree names only files and folders that exist, every module among
+    them (a file moved or added without the map following fails here)."""
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 450, len(lines)
+    assert max(map(len, lines)) <= 120, max(lines, key=len)
+    cells = [cell for line in lines if line.startswith("|") for cell in line.split("|")]
+    assert max(map(len, cells)) <= 200, max(cells, key=len)
+    tree = text.split("```text\n", 1)[1].split("```", 1)[0]
+    named, folder = set(), ""
+    for line in tree.splitlines():
+        if line.startswith(" " * 6) or not line.strip():
+            continue  # a comment's second line
+        names = line.strip().split("  ")[0].replace(",", " ").split()  # before the comment
+        if not line.startswith(" "):  # a root entry, or a folder whose files follow indented
+            folder = names[0] if names[0].endswith("/") else ""
+            named |= {n for n in names if n.endswith(".py")}
+        else:
+            named |= {folder + n for n in names if n.endswith(".py")}
+    assert all((ROOT / name).exists() for name in named), sorted(n for n in named if not (ROOT / n).exists())
+    modules = {str(f.relative_to(ROOT)) for p in PACKAGES for f in (ROOT / p).glob("*.py")
+               if f.name != "__init__.py"} | {f"{c}.py" for c in CARDS}
+    assert modules <= named, sorted(modules - named)

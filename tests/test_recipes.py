@@ -304,3 +304,54 @@ def test_sampler_ab_packs_every_projection_of_each_checkout(tiny_ckpt):
     assert len(linears) > 1 and all(type(m) is PackedLinear for m in linears)
     assert (speed.Attention, speed.MLP) == (model.Attention, model.MLP)  # put back after
 
+
+
+def figures_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("figures", ROOT / "recipes" / "figures.py")
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    return figures
+
+
+def test_the_step_picture_is_read_from_train_step(tmp_path):
+    """recipes/figures.py step reads the README's picture from train.py itself: train_step's five
+    numbered calls in order, each file:function with the DAPO equation its docstring names, the
+    dapo preset's path through refills' one queue and eq. 11's filter, the options off it (DPO,
+    REINFORCE++) marked so; and it draws the picture."""
+    figures = figures_module()
+    steps = figures.step_tree(figures.preset_flags())
+    assert [(s.number, s.call.module, s.call.name) for s in steps] == [
+        ("1-2", "train.py", "collect_rollouts"), ("3", "train.py", "with_old_logprobs"),
+        ("4", "train.py", "with_advantages"), ("5", "train.py", "update"),
+        ("6", "run/metrics.py", "step_metrics")]
+
+    def walk(call):
+        yield call
+        for inner in call.calls:
+            yield from walk(inner)
+    calls = {s.number: {(c.module, c.name): c for c in walk(s.call)} for s in steps}
+    assert not calls["1-2"][("variants/refills.py", "rounds_in_one_queue")].off_path
+    assert calls["1-2"][("dapo.py", "keep_groups")].equation == "eq. 11"
+    assert calls["5"][("variants/reference.py", "dpo_update")].off_path
+    assert calls["4"][("train.py", "reinforce_pp_advantages")].off_path
+    assert calls["5"][("losses.py", "policy_loss")].equation == "eq. 10"
+    figures.draw_step(steps, str(tmp_path / "step.png"))
+    assert (tmp_path / "step.png").stat().st_size > 10_000
+
+
+def test_the_curve_is_drawn_from_a_runs_logs(tmp_path):
+    """recipes/figures.py curve draws a run directory's metrics.jsonl and eval.jsonl (a torn last
+    line skipped, as a crash leaves it); a directory without them is one line naming it."""
+    import json
+    figures = figures_module()
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "accuracy": 0.1 * s, "train_seconds": 30.0 * s, "level": 1} for s in range(1, 5)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "acc')
+    evals = [{"step": 0, "pass@1": 0.2, "train_seconds": 0.0}, {"step": 4, "pass@1": 0.6, "train_seconds": 120.0}]
+    (run / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+    figures.draw_curve(str(run), str(tmp_path / "curve.png"))
+    assert (tmp_path / "curve.png").stat().st_size > 10_000
+    with pytest.raises(SystemExit, match="needs metrics.jsonl and eval.jsonl"):
+        figures.draw_curve(str(tmp_path), str(tmp_path / "none.png"))
