@@ -24,6 +24,7 @@ from rollout import decode_step, sample_tokens, step_uniforms
 
 @dataclass(frozen=True)
 class SpeedUps:
+    """What a generate call runs faster with; each flag off is the plain path's choice."""
     compile: bool | None = None   # the decode step through torch.compile
     cuda_graphs: bool = False     # decode steps padded to buckets; on a GPU replayed as CUDA graphs
     flex_attention: bool = False  # decode attention over the pool in place (flex_decode.py)

@@ -76,8 +76,9 @@ def test_budgets_and_row_caps_keep_every_sample(tiny, family, limits):
     want = generate(model, prompts, **generate_args(**kw))
     stats = {}
     blocks = limits.get("blocks")
-    got = generate(model, prompts, **generate_args(kv_budget=budget(model, blocks) if blocks else None,
-                   max_rows=limits.get("max_rows"), stats=stats, **kw))
+    got = generate(model, prompts,
+                   **generate_args(kv_budget=budget(model, blocks) if blocks else None,
+                                   max_rows=limits.get("max_rows"), stats=stats, **kw))
     assert_same(got, want)
     assert [c.prompt_index for c in got] == [c.prompt_index for c in want]
     for a, b in zip(got, want):
@@ -284,7 +285,8 @@ def test_a_budget_16x_below_the_static_cache(tiny):
     kw = dict(num_samples=8, max_new_tokens=52, temperature=1.0, seed=7, stop_token_ids=[],
               compile=False)
     stats = {}
-    got = generate(model, prompts, **generate_args(kv_budget=budget(model, 9, 8), block_size=8, stats=stats, **kw))
+    got = generate(model, prompts,
+                   **generate_args(kv_budget=budget(model, 9, 8), block_size=8, stats=stats, **kw))
     static_bytes = 32 * (12 + 52) * stats["block_bytes"] // 8
     assert static_bytes >= 16 * stats["pool_blocks"] * stats["block_bytes"]
     assert stats["peak_blocks"] * stats["block_bytes"] <= static_bytes / 16
@@ -386,8 +388,9 @@ def test_host_tables_follow_every_change(tiny, monkeypatch, block_size, blocks):
     kw = dict(num_samples=3, max_new_tokens=30, temperature=1.0, seed=[5, 6, 9],
               stop_token_ids=[9, 17], compile=False, block_size=block_size)
     stats = {}
-    got = generate(model, prompts_of(model, (7, 12, 5)), **generate_args(on_group=on_group, stats=stats,
-                   kv_budget=budget(model, blocks, block_size), **kw))
+    got = generate(model, prompts_of(model, (7, 12, 5)),
+                   **generate_args(on_group=on_group, stats=stats,
+                                   kv_budget=budget(model, blocks, block_size), **kw))
     assert len(got) == 15 and stats["preemptions"] > 0 and copies, stats
     assert widths[0] < widths[-1]  # the later prompt of 22 widened the host tables
 
@@ -396,13 +399,15 @@ def test_added_prompts_are_checked_like_the_first(tiny):
     model = tiny("llama3")
     kw = dict(max_new_tokens=40, kv_budget=budget(model, 5))  # the pool: 4, what the first needs
     with pytest.raises(ValueError, match="num_samples must be an int >= 1"):
-        generate(model, [[5] * 3], **generate_args(on_group=lambda i, c: ([[6] * 3], [0], [1]), **kw))
+        generate(model, [[5] * 3],
+                 **generate_args(on_group=lambda i, c: ([[6] * 3], [0], [1]), **kw))
     with pytest.raises(ValueError, match="on_group's seeds must be one int per prompt, got 3"):
         generate(model, [[5] * 3], **generate_args(on_group=lambda i, c: ([[6] * 3], [1], 3), **kw))
     with pytest.raises(ValueError, match="generate: prompt 0 is empty"):
         generate(model, [[5] * 3], **generate_args(on_group=lambda i, c: ([[]], [1], [1]), **kw))
     with pytest.raises(ValueError, match=r"needs 5 blocks of 16 positions .* holds 4 blocks"):
-        generate(model, [[5] * 3], **generate_args(on_group=lambda i, c: ([[6] * 30], [1], [1]), **kw))
+        generate(model, [[5] * 3],
+                 **generate_args(on_group=lambda i, c: ([[6] * 30], [1], [1]), **kw))
 
 
 @pytest.mark.parametrize("family", ["llama3", "gemma3"])
@@ -437,7 +442,8 @@ def test_padded_steps_count_their_buckets(tiny):
     tables of 1, 2, 3 and 4 blocks: buckets (4, 1), (4, 2), (4, 4)."""
     model, stats = tiny("llama3"), {}
     out = generate(model, [[5, 6]], Sampling(max_new_tokens=13, seed=1), num_samples=3,
-                   engine=EngineOptions(block_size=4, speed=SpeedUps(cuda_graphs=True, compile=False)),
+                   engine=EngineOptions(block_size=4,
+                                        speed=SpeedUps(cuda_graphs=True, compile=False)),
                    stats=stats)
     assert [len(c.tokens) for c in out] == [13] * 3 and stats["decode_steps"] == 12
     assert stats["graph_buckets"] == 3 and stats["capture_seconds"] == 0.0

@@ -98,8 +98,9 @@ def test_cuda_compiled_sampler_equals_eager(checkpoints, dtype):
     prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (4, 9, 13)]
     for temperature in (0.0, 1.0):
         runs = [generate(ours, prompts,
-                         Sampling(max_new_tokens=40, temperature=temperature, stop_token_ids=[3], seed=7),
-                         num_samples=3, engine=EngineOptions(speed=SpeedUps(compile=compiled))) for compiled in (False, True)]
+                         Sampling(max_new_tokens=40, temperature=temperature, stop_token_ids=[3],
+                                  seed=7), num_samples=3,
+                         engine=EngineOptions(speed=SpeedUps(compile=compiled))) for compiled in (False, True)]
         eager, compiled = ([c.tokens for c in run] for run in runs)
         if dtype == torch.float32 or temperature == 0.0:
             assert eager == compiled
@@ -124,8 +125,8 @@ def test_cuda_graphs_sampler_equals_eager(checkpoints, dtype, monkeypatch):
     stats = {}
     for temperature in (0.0, 1.0):
         runs = [generate(ours, prompts,
-                         Sampling(max_new_tokens=60, temperature=temperature, stop_token_ids=[3, 7, 11], seed=7),
-                         num_samples=5,
+                         Sampling(max_new_tokens=60, temperature=temperature,
+                                  stop_token_ids=[3, 7, 11], seed=7), num_samples=5,
                          engine=EngineOptions(speed=SpeedUps(compile=False, cuda_graphs=graphs)),
                          stats=stats)
                 for graphs in (False, True)]
@@ -157,7 +158,8 @@ def test_cuda_graphs_with_a_lora_sampler(checkpoints, monkeypatch):
     drawn = []
     for adapters in (0, 1):  # two updates of the same adapters, in place
         randomise_lora_(ours, seed=adapters, scale=0.5)
-        eager, graphed = ([c.tokens for c in generate(ours, prompts, **generate_args(cuda_graphs=graphs, **kw))]
+        eager, graphed = ([c.tokens for c in generate(ours, prompts,
+                                                      **generate_args(cuda_graphs=graphs, **kw))]
                           for graphs in (False, True))
         assert eager == graphed, adapters
         drawn.append(eager)
@@ -180,7 +182,8 @@ def test_cuda_graphs_with_compiled_blocks_equal_eager(checkpoints, family):
     runs, peaks, stats, graphs = [], [], {}, counters["stats"]["unique_graphs"]
     for compiled in (False, True):
         torch.cuda.reset_peak_memory_stats()
-        runs.append([c.tokens for c in generate(ours, prompts, **generate_args(compile=compiled, stats=stats, **kw))])
+        runs.append([c.tokens for c in generate(ours, prompts,
+                                                **generate_args(compile=compiled, stats=stats, **kw))])
         peaks.append(torch.cuda.max_memory_allocated())
     assert sum(a == b for a, b in zip(*runs)) >= len(runs[0]) - 1
     assert stats["graph_buckets"] > 1 and counters["stats"]["unique_graphs"] > graphs
@@ -198,8 +201,9 @@ def test_cuda_flex_attention_equals_the_gathered_decode(checkpoints, family):
               seed=7, compile=False)
     gathered = [c.tokens for c in generate(ours, prompts, **generate_args(**kw))]
     for graphs in (False, True):
-        flex = [c.tokens for c in generate(ours, prompts, **generate_args(flex_attention=True, cuda_graphs=graphs,
-                                           **kw))]
+        flex = [c.tokens for c in generate(ours, prompts,
+                                           **generate_args(flex_attention=True, cuda_graphs=graphs,
+                                                           **kw))]
         assert sum(a == b for a, b in zip(gathered, flex)) >= len(gathered) - 1, graphs
 
 
@@ -210,7 +214,8 @@ def test_cuda_compiled_step_with_flex_attention(checkpoints):
     prompts = [random_ids(1, n, ours.config.vocab_size, seed=n)[0].tolist() for n in (4, 9, 13)]
     kw = dict(num_samples=3, max_new_tokens=30, temperature=1.0, seed=5)
     want = [c.tokens for c in generate(ours, prompts, **generate_args(compile=False, **kw))]
-    got = [c.tokens for c in generate(ours, prompts, **generate_args(compile=True, flex_attention=True, **kw))]
+    got = [c.tokens for c in generate(ours, prompts,
+                                      **generate_args(compile=True, flex_attention=True, **kw))]
     assert sum(a == b for a, b in zip(want, got)) >= len(want) - 1
 
 
@@ -223,8 +228,8 @@ def test_cuda_sampler_seeded_samples_equal_the_cpus(checkpoints):
         model = load_model(path, dtype=torch.float32, device=device)[0]
         prompts = [random_ids(1, n, model.config.vocab_size, seed=n)[0].tolist() for n in (6, 10)]
         rows.append([c.tokens for c in generate(model, prompts,
-                                                Sampling(max_new_tokens=32, temperature=1.0, stop_token_ids=[], seed=11),
-                                                num_samples=4,
+                                                Sampling(max_new_tokens=32, temperature=1.0,
+                                                         stop_token_ids=[], seed=11), num_samples=4,
                                                 engine=EngineOptions(speed=SpeedUps(compile=False)))])
     assert sum(a == b for a, b in zip(*rows)) >= len(rows[0]) - 1
 

@@ -91,9 +91,8 @@ def bundled_greedy(smollm2):
     model, tok = smollm2
     prompts = chat_prompts(tok, QUESTIONS)
     assert len({len(p) for p in prompts}) == len(prompts)  # different lengths: padding matters
-    out = generate(model, prompts,
-                   Sampling(max_new_tokens=32, temperature=0.0, stop_token_ids=[tok.eos_token_id], seed=0),
-                   num_samples=1)
+    sampling = Sampling(max_new_tokens=32, temperature=0.0, stop_token_ids=[tok.eos_token_id])
+    out = generate(model, prompts, sampling, engine=EngineOptions(speed=SpeedUps()))  # as train.py
     return prompts, out
 
 
@@ -127,8 +126,8 @@ def test_greedy_left_padding_does_not_change_a_row(smollm2, bundled_greedy):
     prompts, batched = bundled_greedy
     shortest = min(range(len(prompts)), key=lambda i: len(prompts[i]))
     alone = generate(model, [prompts[shortest]],
-                     Sampling(max_new_tokens=32, temperature=0.0, stop_token_ids=[tok.eos_token_id], seed=0),
-                     num_samples=1)
+                     Sampling(max_new_tokens=32, temperature=0.0, stop_token_ids=[tok.eos_token_id],
+                              seed=0), num_samples=1)
     assert alone[0].tokens == batched[shortest].tokens
     assert alone[0].logprobs == pytest.approx(batched[shortest].logprobs, abs=1e-4)
 
@@ -139,8 +138,8 @@ def test_bundled_logprobs_match_forward(smollm2, temperature, top_p):
     model, tok = smollm2
     prompts = chat_prompts(tok, QUESTIONS[:2])
     out = generate(model, prompts,
-                   Sampling(max_new_tokens=16, temperature=temperature, top_p=top_p, stop_token_ids=[tok.eos_token_id], seed=3),
-                   num_samples=2)
+                   Sampling(max_new_tokens=16, temperature=temperature, top_p=top_p,
+                            stop_token_ids=[tok.eos_token_id], seed=3), num_samples=2)
     assert_logprobs_match(model, prompts, out, temperature)
 
 
@@ -157,8 +156,8 @@ def test_logprobs_match_forward(tiny, family, temperature, top_p, top_k):
     model = tiny(family)
     prompts = tiny_prompts(model.config.vocab_size)
     out = generate(model, prompts,
-                   Sampling(max_new_tokens=20, temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=[], seed=1),
-                   num_samples=3)
+                   Sampling(max_new_tokens=20, temperature=temperature, top_p=top_p, top_k=top_k,
+                            stop_token_ids=[], seed=1), num_samples=3)
     assert len(out) == 12 and all(len(c.tokens) == 20 for c in out)
     assert_logprobs_match(model, prompts, out, temperature)
 
@@ -315,8 +314,9 @@ def test_extreme_truncation_is_greedy(tiny, kw):
     model = tiny("qwen3")
     prompts = tiny_prompts(model.config.vocab_size)
     greedy = generate(model, prompts, Sampling(max_new_tokens=16, temperature=0.0), num_samples=2)
-    sampled = generate(model, prompts, **generate_args(num_samples=2, max_new_tokens=16, temperature=1.0,
-                       seed=5, **kw))
+    sampled = generate(model, prompts,
+                       **generate_args(num_samples=2, max_new_tokens=16, temperature=1.0, seed=5,
+                                       **kw))
     assert tokens_of(sampled) == tokens_of(greedy)
     for s, g in zip(sampled, greedy):  # at temperature 1 both are the policy's own log-probs
         assert s.logprobs == pytest.approx(g.logprobs, abs=1e-5)
@@ -466,8 +466,9 @@ def test_bench_flags_are_checked_before_any_work(flags, named):
 
 @pytest.mark.slow
 def test_bench_refills_runs_and_checks_its_samples(smollm2):
-    """`python recipes/bench.py refills` on the bundled model, a few tokens: the rounds one after another
-    and in one queue draw the same samples (the bench asserts it) and each prints its rate."""
+    """`python recipes/bench.py refills` on the bundled model, a few tokens: the rounds one after
+    another and in one queue draw the same samples (the bench asserts it) and each prints its
+    rate."""
     import subprocess
     import sys
     from pathlib import Path
@@ -495,9 +496,8 @@ def test_greedy_matches_transformers_every_family(tiny, tiny_ckpt, family):
     from conftest import PAD_ID, hf_model
     model = tiny(family)
     prompts = tiny_prompts(model.config.vocab_size, lengths=(5, 12, 9))
-    ours = generate(model, prompts,
-                    Sampling(max_new_tokens=24, temperature=0.0, stop_token_ids=[], seed=0),
-                    num_samples=1)
+    ours = generate(model, prompts, Sampling(max_new_tokens=24, temperature=0.0),
+                    engine=EngineOptions(speed=SpeedUps()))  # the CPU's kept rows, as train.py's
     hf = hf_model(tiny_ckpt(family))
     config = GenerationConfig(do_sample=False, max_new_tokens=24, min_new_tokens=24,
                               pad_token_id=PAD_ID, eos_token_id=None)
@@ -518,8 +518,8 @@ def test_recorded_routing_is_what_a_fresh_forward_routes(tiny):
     model = tiny("qwen3_moe")
     prompts = tiny_prompts(model.config.vocab_size, lengths=(5, 12, 9))
     out = generate(model, prompts,
-                   Sampling(max_new_tokens=10, temperature=1.0, stop_token_ids=list(range(4, 40)), seed=4),
-                   num_samples=2, record_routing=True)
+                   Sampling(max_new_tokens=10, temperature=1.0, stop_token_ids=list(range(4, 40)),
+                            seed=4), num_samples=2, record_routing=True)
     assert len({len(c.tokens) for c in out}) > 1  # rows stopped at different steps
     for c in out:
         ids = torch.tensor([prompts[c.prompt_index] + c.tokens])
@@ -610,8 +610,11 @@ def test_stream_sees_each_prefix_of_the_result_at_each_check(tiny):
     kwargs = dict(num_samples=2, max_new_tokens=12, temperature=1.0, stop_token_ids=[5, 9], seed=3,
                   compile=False, check_every=4)
     seen = []
-    streamed = generate(model, prompts, **generate_args(stream=lambda tokens: seen.append(tokens.tolist()), **kwargs))
-    assert [c.tokens for c in streamed] == [c.tokens for c in generate(model, prompts, **generate_args(**kwargs))]
+    streamed = generate(model, prompts,
+                        **generate_args(stream=lambda tokens: seen.append(tokens.tolist()),
+                                        **kwargs))
+    assert [c.tokens for c in streamed] == [c.tokens for c in generate(model, prompts,
+                                                                       **generate_args(**kwargs))]
     assert seen and [len(tokens[0]) for tokens in seen] == sorted(len(t[0]) for t in seen)
     for tokens in seen:
         for row, completion in zip(tokens, streamed):
@@ -712,7 +715,8 @@ net = model.Transformer(saved["config"])
 net.load_state_dict(saved["state"])
 out = rollout.generate(net, {prompts}, rollout.Sampling(max_new_tokens=6, seed=3), num_samples=2)
 assert all(m.__file__.startswith(os.getcwd()) for m in (model, rollout))
-assert not {{"engine.speed", "engine.cuda_graphs", "engine.flex_decode", "engine.speedups"}} & set(sys.modules)
+speedups = {{"engine.speed", "engine.cuda_graphs", "engine.flex_decode", "engine.speedups"}}
+assert not speedups & set(sys.modules), speedups & set(sys.modules)
 print([c.tokens for c in out])
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
