@@ -380,9 +380,9 @@ def update(run, batch, step=0):
             chosen = token_choice.chosen_tokens(run, micro, f"{args.seed}:{step}:{index}")
         run.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
-        precision = distributed.autocast(run.args.device, run.bf16)
+        precision = functools.partial(distributed.autocast, run.args.device, run.bf16)
         for k, (mb, divisor, choice) in enumerate(zip(micro, divisors, chosen)):
-            with distributed.accumulating(run.model, last=k == len(micro) - 1), precision:
+            with distributed.accumulating(run.model, last=k == len(micro) - 1), precision():
                 loss, mb_sums, mb_maxima = policy_gradient_loss(run, mb, divisor, choice)
                 # DDP and FSDP average gradients over ranks; the divisors are already global, so
                 # scale back up to make that average a sum (the update then equals one device's).

@@ -7,6 +7,7 @@ dpo), which train.py's step 5 calls in place of its own.
     python train.py --preset dpo                   # online DPO on correct-vs-wrong pairs
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -101,9 +102,9 @@ def dpo_update(run, batch, count):
             continue
         run.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
-        precision = distributed.autocast(run.args.device, run.bf16)
+        precision = functools.partial(distributed.autocast, run.args.device, run.bf16)
         for k, mb in enumerate(micro):
-            with distributed.accumulating(run.model, last=k == len(micro) - 1), precision:
+            with distributed.accumulating(run.model, last=k == len(micro) - 1), precision():
                 loss, mb_sums = dpo_loss(run, mb)
                 (loss * run.world).backward()  # DDP averages over ranks: make it a sum
             loss_sum += float(loss.detach())
