@@ -12,13 +12,15 @@ and the decode step, with its sampling settings); the engine keeps blocks, rows 
    stops frees its blocks at once and a waiting prompt takes them. A row that finds no free
    block preempts the newest running row, which frees its blocks and is recomputed when admitted
    again: never out of memory.
-4. The pool is sized by a KV budget (`pool_blocks`); a row that cannot fit alone is refused before
-   any work (`refuse_unfit`).
+4. The pool is sized by a KV budget (`pool_blocks`; with none given, the memory free: a GPU's,
+   its allocator's cache included, or a share of a CPU's host); a row that cannot fit alone is
+   refused before any work (`refuse_unfit`).
 
 Tests: `python -m pytest tests/test_engine.py`.
 """
 
 import itertools
+import resource
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -32,8 +34,9 @@ from variants.moe import Routing
 @dataclass(frozen=True)
 class EngineOptions:
     """The engine's knobs, for `rollout.generate(..., engine=EngineOptions(...))`."""
-    kv_budget: float | None = None  # GiB of KV blocks (None: every row at its longest; on CUDA
-    #                                 at most 90% of the free memory: `pool_blocks`)
+    kv_budget: float | None = None  # GiB of KV blocks (None: every row at its longest, within
+    #                                 90% of a GPU's free memory, half a CPU's: `pool_blocks`,
+    #                                 `default_kv_budget`)
     max_rows: int | None = None     # rows running at once (None: all)
     block_size: int = 16            # positions a block holds
     prefill_tokens: int = 8192      # the most positions one prefill forward computes
@@ -124,9 +127,10 @@ def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, r
                 cuda_graphs=False, cache=PagedKVCache):
     """The pool's size in blocks (the scratch block included): what every row needs at its
     longest, no more; within kv_budget GiB when given, and on CUDA within 90% of the memory free
-    beside the decode step's working memory (`rows` at once, all by default; `cuda_graphs`), with
-    the maps a `cache` class keeps for each block too where it has them (FlexAttention's grow
-    with the pool: flex_decode.FlexPagedKVCache.map_bytes).
+    (`free_cuda_bytes`: the allocator's cache counted free) beside the decode step's working
+    memory (`rows` at once, all by default; `cuda_graphs`), with the maps a `cache` class keeps
+    for each block too where it has them (FlexAttention's grow with the pool:
+    flex_decode.FlexPagedKVCache.map_bytes).
     A row that cannot fit alone is refused here, before any work, with the arithmetic."""
     cfg, rows = model.config, rows or sum(counts)
     block_bytes = PagedKVCache.bytes_per_block(cfg, block_size, model.dtype)
@@ -136,7 +140,7 @@ def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, r
         blocks = min(blocks, int(kv_budget * 2**30 // block_bytes))
     if model.device.type == "cuda":
         working = decode_working_bytes(cfg, rows, cuda_graphs)
-        free = 0.9 * max(0, torch.cuda.mem_get_info(model.device)[0] - working)
+        free = 0.9 * max(0, free_cuda_bytes(model.device) - working)
         # FlexAttention's maps grow with the pool; counted as decode_working_bytes counts the
         # step (under graphs, their pool holds them again at the bucket of rows)
         map_bytes = getattr(cache, "map_bytes", None)
@@ -147,25 +151,120 @@ def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, r
     return blocks
 
 
-def decode_working_bytes(cfg, rows, cuda_graphs=False) -> int:
-    """A decode step's memory beside the KV pool: float32 logits and two more (B, V) float32
-    tensors in sampling, 12 bytes a row a vocabulary entry; under CUDA graphs the graphs' own pool
-    holds them again, at the bucket of rows (`bucket`)."""
-    one = rows * cfg.vocab_size * 12
-    return one + bucket(rows) * cfg.vocab_size * 12 if cuda_graphs else one
+def free_cuda_bytes(device) -> int:
+    """What a pool may take on a GPU: the driver's free memory and what PyTorch's caching
+    allocator holds reserved but unallocated. A step's pool and update are freed into that cache,
+    which the driver counts as used: the next step's pool, sized from the driver's figure alone,
+    would find almost nothing free. An allocation the cache cannot serve makes the allocator
+    release its cached blocks and try again, so they are free to the pool."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+HOST_SHARE = 0.5  # of the host's free memory, for a CPU call's KV blocks when no budget is given
+
+
+def free_host_bytes() -> int | None:
+    """What a pool may take on a CPU: the memory Linux calls available (MemAvailable: free, and
+    the page cache it can drop), within the process's address-space limit (ulimit -v) less what
+    the process maps already. None where /proc does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f
+                             if line.startswith("MemAvailable:"))
+        with open("/proc/self/status") as f:
+            mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return available if limit == resource.RLIM_INFINITY else min(available, limit - mapped)
+
+
+def default_kv_budget(model, prompts, counts, max_new_tokens, block_size, rows=None):
+    """A CPU call's KV budget in GiB when none is given: None (no bound) where every row at its
+    longest fits in HOST_SHARE of the host's free memory beside the decode step, together with
+    the decoding rows' keys gathered once more (engine/speed.py's KeptRowsKVCache, the CPU's
+    choice with no budget: at most every row at the widest row's length); else that share, the
+    pool waiting and preempting within it, the samples unchanged. The other half is what the call
+    grows as it runs (its rows' tokens and log-probs; the heap glibc keeps). On CUDA None:
+    pool_blocks bounds the pool by the GPU's free memory."""
+    free = free_host_bytes() if model.device.type == "cpu" else None
+    if free is None:
+        return None
+    cfg, rows = model.config, rows or sum(counts)
+    block_bytes = PagedKVCache.bytes_per_block(cfg, block_size, model.dtype)
+    longest = [blocks_at_longest(p, max_new_tokens, block_size) for p in prompts]
+    need = sum(n * c for n, c in zip(longest, counts)) * block_bytes  # every row at its longest
+    gathered = min(rows, sum(counts)) * max(longest) * block_bytes  # KeptRowsKVCache's copy
+    room = HOST_SHARE * max(0, free - decode_working_bytes(cfg, rows))
+    return None if need + gathered <= room else room / 2**30
+
+
+def draw_bytes(temperature=1.0, top_p=1.0, top_k=0) -> int:
+    """Bytes a row a vocabulary entry that rollout.sample_tokens holds at its peak, in (B, V)
+    tensors of 4 bytes an entry (masks 1, top-p's int64 order 8): the float32 logits, shifted and
+    their exp (probs), 12, and a temperature's scaled copy, 4; then inverse_cdf's padded copy, 4
+    (the plain draw: 16), or top-k's kept probs and their mask, 5, or top-p's sorted probs 4,
+    their order 8, cdf 4, the kept ones and their mask 5, 21. Greedy: the logits, logsumexp's 4."""
+    if temperature == 0:
+        return 8
+    held = 12 if temperature == 1 else 16
+    return held + (21 if top_p < 1 else 5 if top_k else 4)
+
+
+def gathered_bytes(cfg, rows, positions, width) -> int:
+    """One layer's keys and values gathered through the rows' tables (PagedKVCache.write's
+    index_select): (2, Hkv, rows, S, D) of `width` bytes, S = `positions`, the widest table's."""
+    return 2 * cfg.num_kv_heads * rows * positions * cfg.head_dim * width
+
+
+def decode_attention_bytes(cfg, rows, positions, width) -> int:
+    """One layer's decode attention over gathered rows: the gathered keys and values, and
+    attend_paged's scores (Hkv, rows, G, 1, S), masked (`width` bytes) beside their float32 copy
+    and its softmax, width + 8 bytes an entry (float32: the scores and the softmax, 8; Gemma 2's
+    cap holds scores, scores / cap and its tanh at once, 12)."""
+    scores = width + 8 if width < 4 else 12 if cfg.attn_softcap else 8
+    return gathered_bytes(cfg, rows, positions, width) + cfg.num_heads * rows * positions * scores
+
+
+def decode_working_bytes(cfg, rows, cuda_graphs=False, *, positions=0, block_size=16, width=4,
+                         kept_rows=False, draw=draw_bytes()) -> int:
+    """A decode step's memory beside the KV pool and the weights, `rows` rows at once, the widest
+    table `positions` long (its blocks x block_size; 0: attention reads the pool in place, as
+    FlexAttention does), the sampler's weights `width` bytes: the larger of one layer's attention
+    and the draw, rows x V x `draw` bytes (`draw_bytes`), which never live at once. Kept rows
+    (speed.KeptRowsKVCache) hold every layer's gathered keys and values through the draw:
+    L x gathered + max(scores, draw). Under CUDA graphs the step runs padded (rows, and blocks, each
+    to a bucket: cuda_graphs.pad_inputs) and the graphs' own pool holds it again."""
+    if cuda_graphs:
+        rows, positions = bucket(rows), bucket(-(-positions // block_size)) * block_size if positions else 0
+    attention, drawn = decode_attention_bytes(cfg, rows, positions, width), rows * cfg.vocab_size * draw
+    if kept_rows:
+        gathered = gathered_bytes(cfg, rows, positions, width)
+        step = cfg.num_layers * gathered + max(attention - gathered, drawn)
+    else:
+        step = max(attention, drawn)
+    return 2 * step if cuda_graphs else step
 
 
 def refuse_unfit(prompts, max_new_tokens, block_size, block_bytes, blocks):
     """A ValueError with the arithmetic when a row of `prompts` cannot fit alone in a pool of
     `blocks` (the scratch block included)."""
-    longest = max(blocks_at_longest(p, max_new_tokens, block_size) for p in prompts)
-    if blocks < 1 + longest:
-        raise ValueError(
-            f"generate: a row of {max(len(p) for p in prompts)} prompt + {max_new_tokens} new "
-            f"tokens needs {longest} blocks of {block_size} positions ({block_bytes} bytes "
-            f"each, {longest * block_bytes / 2**30:.3g} GiB) and the scratch block; the KV "
-            f"budget holds {blocks} blocks, one of them scratch: raise it, or lower "
-            f"max_new_tokens")
+    why = unfit(max(len(p) for p in prompts), max_new_tokens, block_size, block_bytes, blocks)
+    if why:
+        raise ValueError(f"generate: {why}: raise the KV budget, or lower max_new_tokens")
+
+
+def unfit(prompt_length, max_new_tokens, block_size, block_bytes, blocks) -> str | None:
+    """Why a row of `prompt_length` prompt tokens and `max_new_tokens` new ones cannot fit alone
+    in a pool of `blocks` (the scratch block included), with the arithmetic; None if it fits."""
+    longest = -(-(prompt_length + max_new_tokens) // block_size)
+    if blocks >= 1 + longest:
+        return None
+    return (f"a row of {prompt_length} prompt + {max_new_tokens} new tokens needs {longest} "
+            f"blocks of {block_size} positions ({block_bytes} bytes each, "
+            f"{longest * block_bytes / 2**30:.3g} GiB) and the scratch block; the KV budget "
+            f"holds {max(blocks, 0)} blocks, one of them scratch")
 
 
 class Engine:

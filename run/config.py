@@ -157,8 +157,9 @@ def sampling_flags(g):
                         "on: both; off: all eager, the readable reference; a Mixture-of-Experts "
                         "model stays eager)")
     g.add_argument("--kv-budget", type=float, default=0.0,
-                   help="GiB of KV-cache blocks the sampler may hold (0: every row at its longest; "
-                        "on CUDA at most 90%% of the memory free when a rollout starts); rows beyond "
+                   help="GiB of KV-cache blocks the sampler may hold (0: every row at its longest, "
+                        "within 90%% of a GPU's memory free when a rollout starts, or half a CPU "
+                        "host's); rows beyond "
                         "it wait or are preempted and recomputed, the samples unchanged")
     g.add_argument("--max-rows", type=int, default=0,
                    help="most rows the sampler runs at once (0: all of a rank's rows)")

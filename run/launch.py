@@ -31,8 +31,9 @@ from safetensors import SafetensorError
 
 import data
 import rewards
+from engine import paged
 from engine.speed import compile_blocks, expandable_cuda_segments, keep_freed_memory, pack_linears
-from model import Transformer
+from model import PagedKVCache, Transformer
 from rollout import line_break_ids, stop_token_ids
 from run import checkpoints, config, evaluation, memory_plan, runs, sharding, tracking
 from run.checkpoints import load_model, save_model
@@ -177,11 +178,12 @@ def setup(args):
         reward_function, reward_parts = task_reward_function(args, source)
     except ValueError as e:
         sys.exit(f"train.py: {e}")
+    longest_prompt = data.longest_prompt(source, tokenizer, args.template)  # None: in turns
     capacity = memory_plan.device_capacity(device)  # a GPU's: a run that cannot fit stops here
     if capacity:
-        memory_plan.check_before_loading(args, model_config, data.longest_prompt(
-            source, tokenizer, args.template), world, capacity, rank)
+        memory_plan.check_before_loading(args, model_config, longest_prompt, world, capacity, rank)
     bf16 = config.uses_bf16(args, device.type == "cuda")
+    refuse_small_kv_budget(args, model_config, longest_prompt, bf16)
     try:
         model, policy, sampler, reference = (sharded_policy if args.fsdp else whole_policy)(
             args, model_config, bf16)
@@ -206,6 +208,22 @@ def setup(args):
         stream=data.PromptStream(source, args.prompts_per_step, seed=args.seed, rank=rank, world_size=world),
         variant_rng=random.Random(f"{args.seed}:adversarial:{rank}"),
         reward_function=reward_function, reward_parts=tuple(reward_parts))
+
+
+def refuse_small_kv_budget(args, cfg, longest_prompt, bf16):
+    """A --kv-budget that cannot hold one row at its longest (the data's longest prompt and
+    --max-new-tokens, in the sampler's dtype) stops the run here, before any weight loads, with
+    the arithmetic: every rollout would refuse it."""
+    if not args.kv_budget or longest_prompt is None:
+        return
+    block_size = paged.EngineOptions.block_size
+    sampler_dtype = torch.bfloat16 if bf16 and (args.fsdp or not args.lora_rank) else torch.float32
+    block_bytes = PagedKVCache.bytes_per_block(cfg, block_size, sampler_dtype)
+    why = paged.unfit(longest_prompt, args.max_new_tokens, block_size, block_bytes,
+                      int(args.kv_budget * 2**30 // block_bytes))
+    if why:
+        sys.exit(f"train.py: --kv-budget {args.kv_budget:g} GiB: {why}: raise --kv-budget, or "
+                 f"lower --max-new-tokens")
 
 
 def task_reward_function(args, source):

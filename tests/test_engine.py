@@ -576,3 +576,89 @@ def test_bench_engine_reports_the_graphs_captures_apart(capsys):
     assert "2 tok/s" in graphed and "1.00x" in graphed
     assert graphed.endswith("3 buckets of rows and blocks, captures 0.50 s (without them 4 tok/s)")
     assert "buckets" not in next(line for line in lines if line.startswith("  paged  "))
+
+
+# ----------------------------------------------------------------------------- the pool's size
+
+GIB = 2 ** 30
+
+
+def test_a_pool_sized_with_memory_in_the_allocators_cache_equals_a_fresh_ones(tiny, monkeypatch):
+    """Step 2 of a GPU run: step 1's pool and update freed into PyTorch's caching allocator, which
+    the driver counts as used (2 GiB 'free', 40 GiB reserved and unallocated). The pool equals
+    the one a fresh process sizes with 42 GiB free and nothing cached; the driver's figure alone
+    would size it at 2 GiB's worth (stubbed CUDA calls: the CPU runs it)."""
+    from types import SimpleNamespace
+
+    from engine import paged
+    cfg = tiny("llama3").config
+    gpu_model = SimpleNamespace(config=cfg, dtype=torch.bfloat16, device=torch.device("cuda", 0))
+    prompts, counts = [[5] * 500] * 8, [512] * 8  # every row at its longest: far over 42 GiB
+
+    def pool(free, reserved, allocated):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * GIB))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+        return paged.pool_blocks(gpu_model, prompts, counts, 60_000, 16, None)
+    fresh, second = pool(42 * GIB, 0, 0), pool(2 * GIB, 45 * GIB, 5 * GIB)
+    block_bytes = paged.PagedKVCache.bytes_per_block(cfg, 16, torch.bfloat16)
+    working = paged.decode_working_bytes(cfg, sum(counts))
+    assert second == fresh == int(0.9 * (42 * GIB - working) // block_bytes)
+    assert pool(2 * GIB, 0, 0) < fresh / 20  # what the driver's free memory alone holds
+
+
+def test_a_cpu_call_with_no_budget_takes_a_share_of_the_free_memory(tiny, monkeypatch):
+    """With no kv_budget on a CPU, a call whose rows at their longest (and their gathered copy)
+    exceed half the host's free memory (stubbed small) runs in a pool of that half: rows wait and
+    are preempted, the cache is the plain one (not the kept rows' copy), and the tokens equal an
+    explicit budget's and an unbounded pool's."""
+    from engine import paged, speedups
+    model = tiny("llama3")
+    prompts, kw = prompts_of(model), dict(num_samples=4, max_new_tokens=40, temperature=1.0, seed=5)
+    unbounded = generate(model, prompts, **generate_args(**kw))
+    block_bytes = paged.PagedKVCache.bytes_per_block(model.config, 16, model.dtype)
+    working = paged.decode_working_bytes(model.config, 4 * len(prompts))
+    monkeypatch.setattr(paged, "free_host_bytes", lambda: working + 2 * 12 * block_bytes)
+    chosen, choose = [], speedups.SpeedUps.choose
+    monkeypatch.setattr(speedups.SpeedUps, "choose",
+                        lambda self, *a: chosen.append(choose(self, *a)[1]) or choose(self, *a))
+    stats = {}
+    by_default = generate(model, prompts, **generate_args(stats=stats, **kw))
+    assert stats["pool_blocks"] == 12 and stats["waits"] + stats["preemptions"] > 0
+    assert chosen == [paged.PagedKVCache]
+    assert_same(by_default, unbounded)
+    assert_same(by_default, generate(model, prompts, **generate_args(kv_budget=budget(model, 12), **kw)))
+    monkeypatch.setattr(paged, "free_host_bytes", lambda: 100 * GIB)  # room: no bound, kept rows
+    generate(model, prompts, **generate_args(stats=stats, **kw))
+    assert chosen[-1] is speedups.KeptRowsKVCache and stats["waits"] == stats["preemptions"] == 0
+
+
+def test_the_host_memory_free_is_read_within_the_address_space_limit():
+    """free_host_bytes under `ulimit -v` (RLIMIT_AS set 3 GiB above what the process maps): at
+    most those 3 GiB, and most of them."""
+    import subprocess
+    import sys
+    code = ("import resource; from engine.paged import free_host_bytes\n"
+            "mapped = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (mapped + 3 * 2**30, resource.RLIM_INFINITY))\n"
+            "print(free_host_bytes())")
+    root = str(__import__("pathlib").Path(__file__).parents[1])
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         check=True).stdout
+    assert 2.9 * GIB < int(out) <= 3 * GIB
+
+
+def test_train_refuses_a_kv_budget_under_one_row_before_any_weight_loads(tmp_path, monkeypatch):
+    """--kv-budget smaller than one row at its longest (the data's longest prompt and
+    --max-new-tokens): train.py's setup stops naming the flag and the arithmetic, no weight read."""
+    from run import config, launch
+    from test_train import digit_checkpoint
+    model = digit_checkpoint(tmp_path / "model")
+    loads = []
+    monkeypatch.setattr(launch, "load_model", lambda *a, **k: loads.append(a))
+    argv = ["--model", model, "--out", str(tmp_path / "run"), "--steps", "1", "--compile", "off",
+            "--max-new-tokens", "16", "--kv-budget", "0.000001"]
+    with pytest.raises(SystemExit) as refused:
+        launch.setup(config.parse_config(argv)[0])
+    assert "train.py: --kv-budget 1e-06 GiB: a row of" in str(refused.value) and not loads
+    assert "new tokens needs" in str(refused.value) and "raise --kv-budget" in str(refused.value)
