@@ -210,14 +210,21 @@ def load_checkpoint(run_dir):
     """The state of the newest readable checkpoint of run_dir (checkpoint.pt, else
     checkpoint-previous.pt, with a warning), or None when the run has none yet. RunError when
     every one there is damaged. Loaded on the CPU (random states must stay there) with
-    weights_only=True: nothing in a checkpoint is run as code."""
+    weights_only=True: nothing in a checkpoint is run as code.
+
+    Memory-mapped: the tensors are views of the file, whose pages the ranks of a node share in
+    the page cache, so a resume reads it once a node, not once a rank (8 x 18.5 GB of host memory
+    for a 1.5B model on 8 GPUs). The weights are copied into the model, and on a GPU AdamW's
+    moments onto it; on a CPU AdamW keeps its moments as views until the first update writes them
+    (copy on write: a save renames a new file, never writes into this one), so a replaced file's
+    disk space is freed only when the run ends."""
     problems = []
     for name in (CHECKPOINT, PREVIOUS_CHECKPOINT):
         path = os.path.join(run_dir, name)
         if not os.path.exists(path):
             continue
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as error:  # truncated, empty, not a checkpoint
             problems.append(f"{name} is damaged ({type(error).__name__}: {str(error)[:200]})")
             continue

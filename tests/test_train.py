@@ -5,6 +5,7 @@ updates skipped, and the pieces of a step (steps 3-5) on a Run built in-process.
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,10 +24,10 @@ DIGITS = [str(d) for d in range(10)]
 WORDS = ["What", "is", "+", "?", "Question:", "Answer:", "the", "sum"]
 
 
-def digit_checkpoint(directory, seed=0, context=64, moe=False, words=None):
+def digit_checkpoint(directory, seed=0, context=64, moe=False, words=None, **sizes):
     """A random 2-layer Llama (moe: Qwen3-MoE, 4 experts, top-2) whose word-level vocabulary
     has the digits, so that a sampled answer is sometimes right and groups carry signal
-    (`words`: another vocabulary)."""
+    (`words`: another vocabulary; `sizes`: other widths or layers, e.g. hidden_size=256)."""
     import tokenizers
     from transformers import (
         LlamaConfig,
@@ -43,7 +44,7 @@ def digit_checkpoint(directory, seed=0, context=64, moe=False, words=None):
                                         bos_token="<s>", eos_token="</s>")
     shape = dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-                 bos_token_id=2, eos_token_id=3, pad_token_id=1, tie_word_embeddings=True)
+                 bos_token_id=2, eos_token_id=3, pad_token_id=1, tie_word_embeddings=True) | sizes
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, head_dim=8, num_experts=4, num_experts_per_tok=2,
                                                moe_intermediate_size=32, norm_topk_prob=True)) \
@@ -426,6 +427,28 @@ def test_ddp_resume_is_exact_per_rank(tiny, tmp_path):
     assert positions[0] != positions[1], positions  # the ranks' data positions differ at step 3
     run_train(["--resume", str(resumed), "--steps", "8"], launcher=torchrun())
     assert_same_run(straight, resumed)
+
+
+@pytest.mark.slow
+def test_ddp_resume_reads_the_checkpoint_once_a_node(tmp_path):
+    """Two gloo ranks resume from one checkpoint: each maps the file, whose pages the two share,
+    so neither rank's load adds a private copy of it (each rank used to read its own: 8 copies
+    on a node of 8 GPUs). recipes/resume-memory.py measures each rank's load."""
+    model_dir = digit_checkpoint(tmp_path / "model", hidden_size=256, intermediate_size=1024,
+                                 num_hidden_layers=8)
+    out = tmp_path / "run"
+    run_train(["--model", model_dir, "--data", digit_data(tmp_path / "train.jsonl"), "--steps", "1",
+               "--checkpoint-every", "1", "--out", str(out)] + BASE)
+    proc = subprocess.run(torchrun() + [str(ROOT / "recipes" / "resume-memory.py"), "--resume", str(out)],
+                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = re.findall(r"rank \d: checkpoint (\d+) MiB; .*; \+(-?\d+) MiB, .*\(\+(-?\d+) MiB private\)",
+                       proc.stdout)
+    assert len(ranks) == 2, proc.stdout
+    for size, added, private in ranks:
+        assert int(size) > 60  # far above what the ranks' own allocations may add
+        assert int(private) < 0.25 * int(size) and int(added) < 0.5 * int(size), proc.stdout
 
 
 UPDATE_METRICS = ("entropy", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean",
