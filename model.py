@@ -284,6 +284,10 @@ class PagedKVCache:
         self.slots = None  # (b*T,) the flat slot each new token's k, v go to
         self.tables = None  # (b, nb) each row's blocks, padded with block 0
         self.positions = None  # (b, T) each new token's position in its row
+        # A decode step's rows in groups of like width, widest first: [(first row, end, blocks
+        # read)] (engine/paged.py's read_groups), each group reading its own widest row's blocks
+        # and not the batch's; None: every row reads as many blocks as the widest.
+        self.groups = None
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
@@ -299,12 +303,23 @@ class PagedKVCache:
     def write(self, layer, k, v):
         """Stores k, v; -> each row's keys and values gathered through its table, (Hkv, b, S, D)."""
         self.store(layer, k, v)
-        pool, (b, H, _, D) = self.kv[layer], k.shape
-        rows = pool.index_select(2, self.tables.view(-1)).view(2, H, b, -1, D)  # (2, Hkv, b, S, D)
-        return rows[0], rows[1]
+        return self.gather(layer, self.tables)
+
+    def gather(self, layer, tables):
+        """Block tables (b, nb) -> the keys and values they list, (Hkv, b, nb * block_size, D) each."""
+        pool = self.kv[layer]
+        H, D = pool.shape[1], pool.shape[-1]
+        rows = pool.index_select(2, tables.reshape(-1)).view(2, H, tables.shape[0], -1, D)
+        return rows[0], rows[1]  # (2, Hkv, b, S, D) split
 
     def attend(self, layer, q, k, v, mask, scale=None, softcap=None):
         """Stores k, v (b, Hkv, T, D); q (b, Hq, T, D) attends to its row's, mask (b, 1, T, S)."""
+        if self.groups and q.shape[2] == 1:  # a decode step, each group of rows at its own width
+            self.store(layer, k, v)
+            bs = self.block_size
+            return torch.cat([attend_paged(q[a:e], *self.gather(layer, self.tables[a:e, :width]),
+                                           mask[a:e, ..., :width * bs], scale, softcap)
+                              for a, e, width in self.groups])  # (b, Hq, 1, D)
         k, v = self.write(layer, k, v)  # (Hkv, b, S, D), heads first: position s at index s
         if softcap or q.shape[2] == 1:  # a decode step (or Gemma 2's cap)
             return attend_paged(q, k, v, mask, scale, softcap)

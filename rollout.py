@@ -244,8 +244,9 @@ def generate(model: Transformer, prompts, sampling=Sampling(), *, num_samples=1,
     with speed.context() if speed else contextlib.nullcontext():
         blocks = pool_blocks(model, prompts, counts, sampling.max_new_tokens, engine.block_size,
                              budget, rows, graphs, cache)
+        grouped = step_fn is decode_step and cache is PagedKVCache  # an eager step reads by groups
         running = Engine(model, blocks, engine.block_size, rows, engine.prefill_tokens, record,
-                         cache)
+                         cache, grouped)
         running.add(prompts, counts, sample_keys(seeds, counts), sampling.max_new_tokens)
         run_engine(running, step_fn, sampling, stream, check_every, on_group)
     if stats is not None:

@@ -139,11 +139,14 @@ def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, r
     if kv_budget is not None:
         blocks = min(blocks, int(kv_budget * 2**30 // block_bytes))
     if model.device.type == "cuda":
-        working = decode_working_bytes(cfg, rows, cuda_graphs)
-        free = 0.9 * max(0, free_cuda_bytes(model.device) - working)
-        # FlexAttention's maps grow with the pool; counted as decode_working_bytes counts the
-        # step (under graphs, their pool holds them again at the bucket of rows)
+        # FlexAttention reads the pool in place: no gathered keys; its maps grow with the pool,
+        # counted as decode_working_bytes counts the step (under graphs, their pool holds them
+        # again at the bucket of rows)
         map_bytes = getattr(cache, "map_bytes", None)
+        working = decode_working_bytes(cfg, rows, cuda_graphs, block_size=block_size,
+                                       positions=0 if map_bytes else max(longest) * block_size,
+                                       width=model.dtype.itemsize)
+        free = 0.9 * max(0, free_cuda_bytes(model.device) - working)
         maps = (map_bytes(cfg, rows) + (map_bytes(cfg, bucket(rows)) if cuda_graphs else 0)
                 if map_bytes else 0)
         blocks = min(blocks, int(free // (block_bytes + maps)))
@@ -196,7 +199,9 @@ def default_kv_budget(model, prompts, counts, max_new_tokens, block_size, rows=N
     longest = [blocks_at_longest(p, max_new_tokens, block_size) for p in prompts]
     need = sum(n * c for n, c in zip(longest, counts)) * block_bytes  # every row at its longest
     gathered = min(rows, sum(counts)) * max(longest) * block_bytes  # KeptRowsKVCache's copy
-    room = HOST_SHARE * max(0, free - decode_working_bytes(cfg, rows))
+    working = decode_working_bytes(cfg, rows, positions=max(longest) * block_size,
+                                   width=model.dtype.itemsize)  # one layer's gather, or the draw
+    room = HOST_SHARE * max(0, free - working)
     return None if need + gathered <= room else room / 2**30
 
 
@@ -205,7 +210,8 @@ def draw_bytes(temperature=1.0, top_p=1.0, top_k=0) -> int:
     tensors of 4 bytes an entry (masks 1, top-p's int64 order 8): the float32 logits, shifted and
     their exp (probs), 12, and a temperature's scaled copy, 4; then inverse_cdf's padded copy, 4
     (the plain draw: 16), or top-k's kept probs and their mask, 5, or top-p's sorted probs 4,
-    their order 8, cdf 4, the kept ones and their mask 5, 21. Greedy: the logits, logsumexp's 4."""
+    their order 8, cdf 4, the kept ones and their mask 5, 21. Greedy (temperature 0): the logits
+    and logsumexp's exp, 8."""
     if temperature == 0:
         return 8
     held = 12 if temperature == 1 else 16
@@ -228,23 +234,31 @@ def decode_attention_bytes(cfg, rows, positions, width) -> int:
 
 
 def decode_working_bytes(cfg, rows, cuda_graphs=False, *, positions=0, block_size=16, width=4,
-                         kept_rows=False, draw=draw_bytes()) -> int:
+                         kept_rows=False, draw=16) -> int:
     """A decode step's memory beside the KV pool and the weights, `rows` rows at once, the widest
     table `positions` long (its blocks x block_size; 0: attention reads the pool in place, as
     FlexAttention does), the sampler's weights `width` bytes: the larger of one layer's attention
-    and the draw, rows x V x `draw` bytes (`draw_bytes`), which never live at once. Kept rows
-    (speed.KeptRowsKVCache) hold every layer's gathered keys and values through the draw:
-    L x gathered + max(scores, draw). Under CUDA graphs the step runs padded (rows, and blocks, each
-    to a bucket: cuda_graphs.pad_inputs) and the graphs' own pool holds it again."""
+    and the draw, rows x V x `draw` bytes (`draw_bytes`; 16 the plain draw's), which never live
+    at once. Kept rows (speed.KeptRowsKVCache) hold every layer's gathered keys and values
+    through the draw: L x gathered + max(scores, draw). Under CUDA graphs the step runs padded
+    (rows, and blocks, each to a bucket: cuda_graphs.pad_inputs) and the graphs' own pool holds
+    it again."""
     if cuda_graphs:
-        rows, positions = bucket(rows), bucket(-(-positions // block_size)) * block_size if positions else 0
-    attention, drawn = decode_attention_bytes(cfg, rows, positions, width), rows * cfg.vocab_size * draw
+        rows, positions = padded(rows, positions, block_size)
+    attention = decode_attention_bytes(cfg, rows, positions, width)
+    drawn = rows * cfg.vocab_size * draw
     if kept_rows:
         gathered = gathered_bytes(cfg, rows, positions, width)
         step = cfg.num_layers * gathered + max(attention - gathered, drawn)
     else:
         step = max(attention, drawn)
     return 2 * step if cuda_graphs else step
+
+
+def padded(rows, positions, block_size):
+    """A decode step's rows and widest table as cuda_graphs.pad_inputs pads them for a CUDA
+    graph: each to a bucket, the table in whole blocks."""
+    return bucket(rows), bucket(-(-positions // block_size)) * block_size if positions else 0
 
 
 def refuse_unfit(prompts, max_new_tokens, block_size, block_bytes, blocks):
@@ -274,9 +288,12 @@ class Engine:
     block preempts the newest running row (its blocks freed, recomputed when admitted again)."""
 
     def __init__(self, model, num_blocks, block_size, max_rows, prefill_tokens, record,
-                 cache=PagedKVCache):
+                 cache=PagedKVCache, grouped=False):
         self.model, self.max_rows, self.prefill_tokens, self.record = \
             model, max_rows, prefill_tokens, record
+        # grouped: each decode step's rows sorted widest first and read in groups of like width
+        # (`read_groups`): an eager step's choice; compiled steps and CUDA graphs keep one shape.
+        self.grouped = grouped
         # `cache`: model.PagedKVCache's class, or one of the speed-ups' (engine/speedups.py)
         self.cache = cache(model.config, num_blocks, block_size, model.dtype, model.device)
         self.pool, self.block_size = BlockPool(num_blocks), block_size
@@ -289,7 +306,9 @@ class Engine:
         # row's table: a table only grows while its row decodes, and a preempted row's comes
         # back as long (its recomputed positions are the ones it had cached).
         self.host_tables = torch.zeros(0, 0, dtype=torch.long)
-        self.stats = dict(waits=0, preemptions=0, prefill_tokens=0, decode_steps=0)
+        # blocks_read: what decode attention gathers; blocks_held: what its rows' tables list
+        self.stats = dict(waits=0, preemptions=0, prefill_tokens=0, decode_steps=0,
+                          blocks_read=0, blocks_held=0)
 
     def add(self, prompts, counts, keys, max_new_tokens):
         """Queues prompts with counts[i] rows each, numbered on from those so far (prompt-major),
@@ -396,6 +415,14 @@ class Engine:
         """Every running row feeds its last token and draws the next (one host read)."""
         self.make_room()
         rows = self.decoding
+        widths = [len(row.table) for row in rows]
+        if self.grouped:  # widest first (a stable sort), each group read at its own width
+            rows = sorted(rows, key=lambda row: -len(row.table))
+            widths = sorted(widths, reverse=True)
+            self.cache.groups = read_groups(widths)
+        self.stats["blocks_held"] += sum(widths)
+        self.stats["blocks_read"] += sum((e - a) * w for a, e, w in self.cache.groups) \
+            if self.grouped else len(rows) * max(widths)
         on_host = torch.tensor([row.index for row in rows])  # (b,)
         index = on_host.to(self.model.device)
         fed = self.tensor([row.tokens[-1] for row in rows])  # (b,)
@@ -404,6 +431,7 @@ class Engine:
         routing = Routing() if self.record else None
         drawn, logp = step_fn(self.model, fed, start, self.decoding_tables(rows, on_host),
                               self.cache, self.keys[index], draws, *sampling.values(), routing)
+        self.cache.groups = None  # (a prefill of one position would read them otherwise)
         routes = routing.stacked(self.model.config).short().cpu() if routing else None  # (b, 1, L, k)
         for i, row in enumerate(rows):
             if routes is not None:  # the fed token's experts
@@ -471,6 +499,25 @@ class Engine:
         rows' indices (b,) on the host."""
         widest = max(len(row.table) for row in rows)
         return self.host_tables[index, :widest].to(self.model.device)  # (b, nb)
+
+
+READ_OVER = 1.25  # the most blocks a group of rows reads, over the blocks its rows hold
+
+
+def read_groups(widths) -> list[tuple[int, int, int]]:
+    """A decode step's rows, by their tables' widths in blocks (widest first) -> [(first row, end
+    row, blocks each reads)]: consecutive rows, each group grown while its rows, all read at its
+    first (widest) row's width, read at most READ_OVER x the blocks they hold. In all, attention
+    reads at most READ_OVER x what the rows hold, where reading every row at the batch's widest
+    reads up to (rows x widest) / held: several times over in RL's long tail (MEASUREMENTS.md,
+    "The engine"). widths [8, 7, 2, 2, 1] -> [(0, 2, 8), (2, 5, 2)]."""
+    groups, first, held = [], 0, 0
+    for i, width in enumerate(widths):
+        if (i + 1 - first) * widths[first] > READ_OVER * (held + width):  # row i starts a group
+            groups.append((first, i, widths[first]))
+            first, held = i, 0
+        held += width
+    return groups + [(first, len(widths), widths[first])]
 
 
 def pad_rows(rows):

@@ -15,17 +15,20 @@ A whole training step's time split (rollout / scoring / update) is `python train
 
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import replace
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's root
 
+from engine import paged
 from engine.paged import EngineOptions
 from engine.speed import compile_blocks, keep_freed_memory, pack_linears, sampling_products
 from engine.speedups import SpeedUps
@@ -253,7 +256,10 @@ def quarter_waves(prompts, samples, new_tokens, block_size=16):
 def bench_engine(args):
     """RL's long tail. On a CPU, under one KV budget (about a quarter of what every row at its
     longest needs): static batching in four waves that fit it, each waiting for its longest row,
-    against the paged engine's continuous batching; and the engine with no budget. On CUDA, all
+    against the paged engine's continuous batching (decode attention reading each group of rows
+    at its own width, paged.read_groups, and every row at the widest, as before it); the engine
+    with a budget of every row (the plain cache, read in groups) and with none (the rows kept
+    gathered, speed.KeptRowsKVCache). On CUDA, all
     rows at once: the engine eager and under CUDA graphs, its decode attention gathered or
     through FlexAttention (flex_decode.py), its blocks eager or compiled, against transformers'
     generate (its batch waits for its longest row) and the memory-bandwidth bound. Our paths draw the same
@@ -283,11 +289,15 @@ def bench_engine(args):
             return hf_long_tail(hf, prompts, G, new_tokens, stops)
         if name == "static waves":
             return static_waves(model, waves, G, sampling)
-        budget = budget_blocks * block_bytes / 2**30 if name.startswith("paged, budget") else None
+        budget = budget_blocks * block_bytes / 2**30 if name.startswith("paged, budget") else \
+            static * block_bytes / 2**30 if name.startswith("paged, all rows") else None
         speed = SpeedUps(compile="blocks compiled" in name, cuda_graphs=name.endswith("CUDA graphs"),
                          flex_attention="FlexAttention" in name)
-        out = generate(model, prompts, sampling, num_samples=G, stats=stats.setdefault(name, {}),
-                       engine=EngineOptions(kv_budget=budget, speed=speed))
+        # "at the widest": every row of a decode step reads the widest row's blocks, as before
+        # paged.read_groups (one group: READ_OVER unbounded)
+        with mock.patch.object(paged, "READ_OVER", math.inf if "widest" in name else paged.READ_OVER):
+            out = generate(model, prompts, sampling, num_samples=G, stats=stats.setdefault(name, {}),
+                           engine=EngineOptions(kv_budget=budget, speed=speed))
         return [c.tokens for c in out]
     if device.type == "cuda":
         hf = hf_model(args.model, dtype, device, tokenizer)
@@ -296,7 +306,8 @@ def bench_engine(args):
                                    "paged, blocks compiled, CUDA graphs", "transformers"]
                  if PATH_KEYS[name] in args.paths]
     else:
-        names = ["static waves", "paged, budget", "paged, no budget"]
+        names = ["static waves", "paged, budget", "paged, budget, at the widest",
+                 "paged, all rows (a budget)", "paged, no budget"]  # no budget: rows kept gathered
     for name in list(names):  # warm-up: kernels chosen, libraries loaded
         first_call(names, name, lambda: run(name, new_tokens=8))
     outputs, times = timed_paths(names, run, args.repeats, device)
@@ -358,13 +369,19 @@ def report_engine(outputs, times, reference, stats, N, budget_blocks, block_byte
         held = stats[name]["pool_blocks"] if name in stats else budget_blocks
         pool = f"KV pool {held * block_bytes / 2**20:6.0f} MiB" if name != "transformers" else ""
         extra = (f", peak {stats[name]['peak_blocks']} in use, {stats[name]['preemptions']} "
-                 f"preemptions" if name in stats else "")
+                 f"preemptions, attention read {reads(stats[name])}" if name in stats else "")
         if "graph_buckets" in stats.get(name, {}):  # on a GPU a graph captured for each, timed
             captures = stats[name]["capture_seconds"]  # the last run's, as its stats are
             extra += (f", {stats[name]['graph_buckets']} buckets of rows and blocks, captures "
                       f"{captures:.2f} s (without them "
                       f"{sum(map(len, outputs[name])) / (times[name][-1] - captures):.0f} tok/s)")
         print(f"  {name:26s} {rate:7.0f} tok/s  {rate / first:5.2f}x  {pool}{extra}")
+
+
+def reads(stats) -> str:
+    """How many blocks decode attention read, over the blocks its rows' tables held (each step's
+    sum; the kept rows' copy reads as the widest row does)."""
+    return f"{stats['blocks_read'] / max(1, stats['blocks_held']):.2f}x the blocks held"
 
 
 def hf_model(path, dtype, device, tokenizer):

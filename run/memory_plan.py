@@ -15,11 +15,26 @@ and `--plan-only` prints it alone. The arithmetic, P parameters (P_t of them tra
                 their product 4 x 2I:  a = 32C + 4C_kv + 8I   (Qwen2.5-1.5B: 119 KiB a block)
             (float32: 36C + 8C_kv + 16I); with activation checkpointing a block keeps only its
             fp32 input 4C, and one block's full set exists again while it is recomputed;
-            the final norm and the hidden states the log-probs keep 12C; the head's chunked
-            log-probs in backward: (rows x 64) x V x 6 bytes, and its fp32 gradient 4VC
+            the final norm and the hidden states the log-probs keep 12C; the log-probs' head
+            (chunked_logprobs.py) in chunks of n = 64 positions of each of a micro-batch's rows
+            (--micro-batch-size of them: short rows pack as many), at its peak in backward: the
+            hidden states' gradient 4C a token, the head's fp32 gradient 4VC, and under autocast
+                max(10nV, 6nV + 2VC, 4nV + 6VC)
+            a chunk's fp32 logits z beside the next chunk's bf16 product and its fp32 copy, or
+            beside the weight gradient's products dz^T h, bf16 then fp32 (float32: max(8nV,
+            4nV + 4VC); Gemma 2's cap: + 4nV); the head's bf16 copy is autocast's, one of its 2P
   rollout   the KV cache, 2 (keys, values) x layers x C_kv x 2 bytes (bf16) a position, every row at
             its longest at once if the memory allows (the pool holds at most 90% of what is free,
-            and needs one row at its longest); the decode step's fp32 logits, rows x V x 12
+            and needs one row at its longest); the decode step, R rows at once (--max-rows, else
+            all), S the widest row's positions in whole blocks, w the sampler's bytes a weight,
+            H query heads, the larger of one layer's attention and the draw, never at once:
+                attention = R x S x (2 C_kv w + H (w + 8))   (float32: H x 8; Gemma 2: H x 12)
+                draw      = R x V x 16   (temperature != 1: 20; top-p: + 17; paged.draw_bytes)
+            the attention gathers each row's keys and values through its table (2 C_kv w) and
+            holds its scores masked, in fp32 and their softmax (w + 8); the draw holds fp32
+            logits, shifted, their exp and inverse_cdf's padded copy. A CPU's eager steps keep
+            every layer's rows gathered through the draw too, L x R x S x 2 C_kv w; CUDA graphs
+            pad R and S's blocks to powers of two, and hold the step again in their pool
   (under FSDP rank 0 reads the whole model on the host, 4P there, and sends each rank its shards:
   no phase holds more of a GPU than the two above)
 
@@ -33,11 +48,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.paged import bucket, decode_working_bytes
+from engine.paged import (EngineOptions, decode_attention_bytes, decode_working_bytes, draw_bytes,
+                          gathered_bytes, padded)
 from model import ModelConfig, Transformer
 from run import config
 
 GIB = 2 ** 30
+BLOCK = EngineOptions.block_size  # positions a KV block holds (train.py's engine: the default)
 
 
 def size(n: float) -> str:
@@ -118,18 +135,34 @@ def kept_bytes(cfg: ModelConfig, row_length: int, bf16: bool, checkpointing: boo
     return kept
 
 
-def activation_bytes(cfg: ModelConfig, tokens: int, rows: int, row_length: int, bf16: bool,
+def activation_bytes(cfg: ModelConfig, tokens: int, row_length: int, bf16: bool,
                      checkpointing: bool) -> float:
-    """The update's peak above the state for `tokens` positions in `rows` rows of at most
-    `row_length`: what the forward keeps, one block's insides again while it is recomputed
-    (checkpointing), and the log-probs' transients in backward."""
-    C, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
+    """The update's peak above the state for `tokens` positions in rows of at most `row_length`,
+    the head aside (`head_bytes`): what the forward keeps, and one block's insides again while it
+    is recomputed (checkpointing)."""
     per_token = kept_bytes(cfg, row_length, bf16, checkpointing)
     if checkpointing:
-        per_token += max(block_activation_bytes(cfg, i, bf16) for i in range(L)) \
+        per_token += max(block_activation_bytes(cfg, i, bf16) for i in range(cfg.num_layers)) \
             + (cfg.num_heads * row_length * 8 if cfg.attn_softcap else 0)
-    head = min(tokens, rows * 64) * V * 6 + 4 * V * C  # a chunk's logits, the head's fp32 gradient
-    return tokens * per_token + head
+    return tokens * per_token
+
+
+def head_bytes(cfg: ModelConfig, chunk: int, tokens: int, bf16: bool) -> float:
+    """The log-probs' head beside what the forward keeps (engine/chunked_logprobs.py), n = `chunk`
+    rows a chunk of `tokens` positions: the hidden states' float32 gradient 4 x tokens x C, the
+    head's float32 gradient 4VC, and the larger of a chunk's float32 logits z beside the next
+    chunk's, made under autocast as a bf16 product and its float32 copy (10nV; float32 8nV), and
+    the chunk's weight gradient dz^T h: under autocast z, dz cast to bf16 and the bf16 product
+    (6nV + 2VC), then z, the product and its float32 copy (4nV + 6VC); float32 4nV + 4VC. Gemma
+    2's capped logits keep tanh(z / cap) beside z through the chunk, 4nV more. The head's bf16
+    copy is autocast's, cached with the body's ("autocast copies")."""
+    C, V, n = cfg.hidden_size, cfg.vocab_size, chunk
+    if bf16:
+        chunks = max(10 * n * V, 6 * n * V + 2 * V * C, 4 * n * V + 6 * V * C)
+    else:
+        chunks = max(8 * n * V, 4 * n * V + 4 * V * C)
+    cap = 4 * n * V if cfg.final_softcap else 0
+    return 4 * tokens * C + 4 * V * C + chunks + cap
 
 
 def kv_bytes_per_position(cfg: ModelConfig, bf16: bool) -> int:
@@ -139,10 +172,14 @@ def kv_bytes_per_position(cfg: ModelConfig, bf16: bool) -> int:
 def plan(cfg: ModelConfig, *, world: int, distributed: bool, fsdp: bool, bf16: bool,
          lora_rank: int, reference: bool, rows: int, longest_row: int, micro_batch_size: int,
          micro_batch_tokens: int, checkpointing: bool, kv_budget: float = 0.0,
-         capacity: float | None = None, cuda_graphs: bool = False) -> list[Term]:
-    """The terms of one rank's memory: `rows` its rollout rows a step, `capacity` the device's
-    bytes where known (the KV pool then holds what is left, as paged.pool_blocks sizes it),
-    `cuda_graphs` whether the decode steps replay as CUDA graphs (their pool is memory apart)."""
+         capacity: float | None = None, cuda_graphs: bool = False, kept_rows: bool = False,
+         max_rows: int = 0, draw: int = 16) -> list[Term]:
+    """The terms of one rank's memory: `rows` its rollout rows a step (`max_rows` of them
+    decoding at once where given), `capacity` the device's bytes where known (the KV pool then
+    holds what is left, as paged.pool_blocks sizes it), `cuda_graphs` whether the decode steps
+    replay as CUDA graphs (their pool is memory apart), `kept_rows` whether they keep the rows
+    gathered (a CPU's eager steps: speed.KeptRowsKVCache), `draw` the draw's bytes a row a
+    vocabulary entry (paged.draw_bytes of the sampling flags)."""
     P, trained = parameter_counts(cfg, lora_rank)
     split = world if fsdp else 1  # FSDP2 shards weights, gradients and optimizer state
     over = f" / {world} ranks" if fsdp else ""
@@ -163,18 +200,47 @@ def plan(cfg: ModelConfig, *, world: int, distributed: bool, fsdp: bool, bf16: b
     elif bf16:
         terms.append(Term("update", "autocast copies", 2 * P, f"2 B x {millions(P)}"))
     tokens = min(micro_batch_size * longest_row, micro_batch_tokens or math.inf)
-    micro_rows = max(1, min(micro_batch_size, tokens // longest_row))
     how = "checkpointed" if checkpointing else \
         f"{size(block_activation_bytes(cfg, 0, bf16))} a token a block"
     terms.append(Term("update", "activations",
-                      activation_bytes(cfg, tokens, micro_rows, longest_row, bf16, checkpointing),
+                      activation_bytes(cfg, tokens, longest_row, bf16, checkpointing),
                       f"{tokens:,} tokens, {how}"))
-    step = decode_working_bytes(cfg, rows)  # what paged.pool_blocks leaves free, too
-    rollout = [Term("rollout", "decode logits", step, f"{rows} rows x V x 12 B")]
-    if cuda_graphs:  # the graphs' own pool holds the step's intermediates again, padded rows
-        rollout.append(Term("rollout", "CUDA graphs", decode_working_bytes(cfg, rows, True) - step,
-                            f"{bucket(rows)} rows (a bucket) x V x 12 B"))
+    # The plan reads no data: a micro-batch may hold --micro-batch-size rows however short they
+    # are (--micro-batch-tokens packs short rows as many), and the head's chunk is 64 positions
+    # of each row, within the micro-batch's tokens.
+    chunk = min(tokens, micro_batch_size * 64)
+    terms.append(Term("update", "log-prob head", head_bytes(cfg, chunk, tokens, bf16),
+                      f"chunks of n = {chunk:,} positions: "
+                      + ("max(10nV, 6nV + 2VC, 4nV + 6VC) + 4VC" if bf16 else
+                         "max(8nV, 4nV + 4VC) + 4VC") + (" + 4nV" if cfg.final_softcap else "")
+                      + " + 4C a token"))
+    width = 2 if bf16 and (fsdp or not lora_rank) else 4  # the sampler's weights (launch.py)
+    rollout = decode_terms(cfg, min(rows, max_rows or rows), -(-longest_row // BLOCK) * BLOCK,
+                           width, cuda_graphs, kept_rows, draw)
     return terms + [kv_pool(cfg, terms + rollout, rows, longest_row, bf16, kv_budget, capacity)] + rollout
+
+
+def decode_terms(cfg, rows, positions, width, cuda_graphs, kept_rows, draw) -> list[Term]:
+    """The decode step's terms, `rows` at once, the widest table `positions` long: what
+    paged.decode_working_bytes counts (and paged.pool_blocks leaves free), said term by term;
+    under CUDA graphs the step padded to its bucket, and again in the graphs' own pool."""
+    r, S = padded(rows, positions, BLOCK) if cuda_graphs else (rows, positions)
+    step = decode_working_bytes(cfg, r, positions=S, block_size=BLOCK, width=width,
+                                kept_rows=kept_rows, draw=draw)
+    attention, gathered = decode_attention_bytes(cfg, r, S, width), gathered_bytes(cfg, r, S, width)
+    drawn = size(r * cfg.vocab_size * draw)
+    at = f"{r:,} rows{' (a bucket)' if cuda_graphs else ''} at {S:,} positions"
+    if kept_rows:
+        how = (f"{at}: {cfg.num_layers} layers' keys and values kept gathered, "
+               f"{size(cfg.num_layers * gathered)}, and the larger of a layer's scores, "
+               f"{size(attention - gathered)}, and the draw, V x {draw} B a row, {drawn}")
+    else:
+        how = (f"{at}: the larger of a layer's gathered keys, values and scores, "
+               f"{size(attention)}, and the draw, V x {draw} B a row, {drawn}")
+    terms = [Term("rollout", "decode step", step, how)]
+    if cuda_graphs:
+        terms.append(Term("rollout", "CUDA graphs", step, "the decode step again, in their pool"))
+    return terms
 
 
 def kv_pool(cfg, terms, rows, longest_row, bf16, kv_budget, capacity) -> Term:
@@ -231,13 +297,18 @@ def for_run(args, cfg: ModelConfig, *, world: int, distributed: bool, cuda: bool
     longest_row = room if longest_prompt is None else min(room, longest_prompt + args.max_new_tokens)
     parameters, _ = parameter_counts(cfg)
     bf16 = config.uses_bf16(args, cuda)
+    graphs = config.graphs_choice(args, cuda) and not cfg.num_experts  # an MoE's step: eager
+    # speedups.step_function's plain step, which SpeedUps.choose runs on kept rows on a CPU
+    eager = cfg.num_experts or not graphs and config.compile_choice(args) is not True
     terms = plan(cfg, world=world, distributed=distributed, fsdp=args.fsdp, bf16=bf16,
                  lora_rank=args.lora_rank, rows=args.prompts_per_step // world * args.samples,
                  reference=config.needs_reference(args) and args.ref == "frozen",
                  longest_row=longest_row, micro_batch_size=args.micro_batch_size,
                  micro_batch_tokens=args.micro_batch_tokens, kv_budget=args.kv_budget,
                  checkpointing=config.checkpoints_activations(args, parameters, cuda),
-                 capacity=capacity, cuda_graphs=config.graphs_choice(args, cuda) and not cfg.num_experts)
+                 capacity=capacity, cuda_graphs=graphs, max_rows=args.max_rows,
+                 kept_rows=bool(not cuda and not args.kv_budget and eager),
+                 draw=draw_bytes(args.temperature, args.top_p))
     return terms, longest_row, bf16
 
 
@@ -275,7 +346,8 @@ def plan_only(args, load_data) -> int:
         cfg = checkpoints.load_config(args.model)
     except (OSError, ValueError) as e:
         raise SystemExit(f"train.py: --model: {e}")
-    local = str(args.data).startswith(("arithmetic", "memory")) or os.path.exists(str(args.data))
+    local = str(args.data).startswith(("arithmetic", "memory", "countdown")) or \
+        os.path.exists(str(args.data))  # (the tasks made here, or a file)
     try:  # the data's longest prompt, where the tokenizer and the data are here (a hub dataset is
         # not walked for a plan)
         if not local:
@@ -284,6 +356,8 @@ def plan_only(args, load_data) -> int:
         args.template = args.template or data.default_template(args.data)
         longest, note = data.longest_prompt(load_data(args, tokenizer, cfg.max_seq_len)[0], tokenizer,
                                             args.template), ""
+        if longest == 0:  # (transformers makes a tokenizer of a config.json alone: no vocabulary)
+            raise ValueError(f"{args.model}'s tokenizer made no token of a prompt")
     except (OSError, ValueError, data.DataError) as e:
         longest, note = None, f"; the prompts at their bound: {str(e).splitlines()[0]}"
     cuda = bool(args.plan_only) or torch.cuda.is_available()

@@ -295,11 +295,12 @@ def test_a_budget_16x_below_the_static_cache(tiny):
 
 
 def test_on_cuda_the_pool_leaves_the_decode_steps_memory_free(tiny, monkeypatch):
-    """On CUDA the pool takes 90% of the free memory less the decode step's working memory (rows
-    x V x 12 B, and again at the bucket of rows under CUDA graphs, as memory_plan counts it), so
-    a capacity-bound pool cannot starve the step's logits or the graphs' capture; with
-    FlexAttention each block also costs its entries in the step's maps of the pool. (A stand-in
-    device: only torch.cuda.mem_get_info is read.)"""
+    """On CUDA the pool takes 90% of the free memory less the decode step's working memory (the
+    larger of its draw, rows x V x 16 B, and one layer's gathered keys and scores at the widest
+    row; under CUDA graphs at the bucket of rows and blocks, twice, as memory_plan counts it), so
+    a capacity-bound pool cannot starve the step's logits, its attention or the graphs' capture;
+    FlexAttention gathers nothing, and each block costs its entries in the step's maps of the
+    pool. (A stand-in device: only the CUDA memory figures are read, stubbed.)"""
     import dataclasses
     import types
 
@@ -310,19 +311,26 @@ def test_on_cuda_the_pool_leaves_the_decode_steps_memory_free(tiny, monkeypatch)
     stand_in = types.SimpleNamespace(config=cfg, dtype=torch.bfloat16, device=torch.device("cuda"))
     free = 2**21  # bytes: a pool bound by the device, not by the rows
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 * free))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
     block_bytes = PagedKVCache.bytes_per_block(cfg, 16, torch.bfloat16)
     prompts, counts = [[1] * 10] * 4, [32] * 4  # 128 rows of every row at its longest: 5 blocks
-    for rows, graphs, working in [(None, False, 128 * cfg.vocab_size * 12),
-                                  (24, True, (24 + 32) * cfg.vocab_size * 12)]:
+    H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    for rows, graphs, R, S in [(None, False, 128, 80), (24, True, 32, 128)]:  # padded: buckets
+        draw = R * cfg.vocab_size * 16
+        attention = 2 * Hkv * R * S * D * 2 + H * R * S * (2 + 8)  # bf16 keys; scores, softmax
+        working = max(draw, attention) * (2 if graphs else 1)
+        assert working == engine.decode_working_bytes(cfg, rows or 128, graphs, positions=80,
+                                                      width=2)
         blocks = engine.pool_blocks(stand_in, prompts, counts, 64, 16, None, rows, graphs)
         assert blocks == int(0.9 * (free - working) // block_bytes) < 1 + 128 * 5, (rows, graphs)
         # FlexAttention's maps: 4 bytes a block in `place` and in each row's list (under graphs
-        # again in their pool, 32 padded rows), for the one kind of layer
+        # again in their pool, 32 padded rows), for the one kind of layer; no gathered keys
         flex = engine.pool_blocks(stand_in, prompts, counts, 64, 16, None, rows, graphs,
                                   flex_decode.FlexPagedKVCache)
         maps = 4 * (1 + 24) + 4 * (1 + 32) if graphs else 4 * (1 + 128)
-        assert flex == int(0.9 * (free - working) // (block_bytes + maps)) < blocks
-    assert engine.decode_working_bytes(cfg, 24, True) == (24 + 32) * cfg.vocab_size * 12
+        draw_only = draw * (2 if graphs else 1)
+        assert flex == int(0.9 * (free - draw_only) // (block_bytes + maps))
     sliding = dataclasses.replace(cfg, sliding_window=8, layer_types=("full", "sliding"))
     assert flex_decode.map_bytes(sliding, 3) == 2 * 4 * (1 + 3)  # each kind of layer its maps
 
@@ -567,7 +575,8 @@ def test_bench_engine_reports_the_graphs_captures_apart(capsys):
     captures (its rate the median's: 6 tokens in 3 s)."""
     from bench import report_engine
     outputs = {"paged": [[1, 2, 3], [4, 5, 6]], "paged, CUDA graphs": [[1, 2, 3], [4, 5, 6]]}
-    stats = {name: dict(pool_blocks=9, peak_blocks=4, preemptions=0) for name in outputs}
+    stats = {name: dict(pool_blocks=9, peak_blocks=4, preemptions=0, blocks_read=12, blocks_held=10)
+             for name in outputs}
     stats["paged, CUDA graphs"].update(graph_buckets=3, capture_seconds=0.5)
     report_engine(outputs, {"paged": [3.0], "paged, CUDA graphs": [4.0, 2.0]}, "paged", stats,
                   3, 9, 1024, exact=True)  # the median of two runs; captures the last run's
@@ -585,26 +594,30 @@ GIB = 2 ** 30
 
 def test_a_pool_sized_with_memory_in_the_allocators_cache_equals_a_fresh_ones(tiny, monkeypatch):
     """Step 2 of a GPU run: step 1's pool and update freed into PyTorch's caching allocator, which
-    the driver counts as used (2 GiB 'free', 40 GiB reserved and unallocated). The pool equals
-    the one a fresh process sizes with 42 GiB free and nothing cached; the driver's figure alone
-    would size it at 2 GiB's worth (stubbed CUDA calls: the CPU runs it)."""
+    the driver counts as used (0.5 GiB 'free', 4.5 GiB reserved, 1 GiB of it allocated). The pool
+    equals the one a fresh process sizes with 4 GiB free and nothing cached, less the decode
+    step's gathered keys; the driver's figure alone leaves no room and refuses the call (stubbed
+    CUDA calls: the CPU runs it)."""
     from types import SimpleNamespace
 
     from engine import paged
     cfg = tiny("llama3").config
     gpu_model = SimpleNamespace(config=cfg, dtype=torch.bfloat16, device=torch.device("cuda", 0))
-    prompts, counts = [[5] * 500] * 8, [512] * 8  # every row at its longest: far over 42 GiB
+    prompts, counts, new = [[5] * 500] * 8, [16] * 8, 100_000  # 128 rows: far over 4 GiB
 
     def pool(free, reserved, allocated):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * GIB))
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
-        return paged.pool_blocks(gpu_model, prompts, counts, 60_000, 16, None)
-    fresh, second = pool(42 * GIB, 0, 0), pool(2 * GIB, 45 * GIB, 5 * GIB)
+        return paged.pool_blocks(gpu_model, prompts, counts, new, 16, None)
+    fresh, second = pool(4 * GIB, 0, 0), pool(GIB // 2, 9 * GIB // 2, GIB)
     block_bytes = paged.PagedKVCache.bytes_per_block(cfg, 16, torch.bfloat16)
-    working = paged.decode_working_bytes(cfg, sum(counts))
-    assert second == fresh == int(0.9 * (42 * GIB - working) // block_bytes)
-    assert pool(2 * GIB, 0, 0) < fresh / 20  # what the driver's free memory alone holds
+    widest = paged.blocks_at_longest(prompts[0], new, 16) * 16
+    working = paged.decode_working_bytes(cfg, 128, positions=widest, width=2)
+    assert working > paged.gathered_bytes(cfg, 128, widest, 2) > GIB  # the gather counted
+    assert second == fresh == int(0.9 * (4 * GIB - working) // block_bytes)
+    with pytest.raises(ValueError, match="the KV budget holds 0 blocks"):
+        pool(GIB // 2, 0, 0)  # what the driver's free memory alone holds
 
 
 def test_a_cpu_call_with_no_budget_takes_a_share_of_the_free_memory(tiny, monkeypatch):
@@ -617,7 +630,8 @@ def test_a_cpu_call_with_no_budget_takes_a_share_of_the_free_memory(tiny, monkey
     prompts, kw = prompts_of(model), dict(num_samples=4, max_new_tokens=40, temperature=1.0, seed=5)
     unbounded = generate(model, prompts, **generate_args(**kw))
     block_bytes = paged.PagedKVCache.bytes_per_block(model.config, 16, model.dtype)
-    working = paged.decode_working_bytes(model.config, 4 * len(prompts))
+    working = paged.decode_working_bytes(model.config, 4 * len(prompts), width=4,
+                                         positions=paged.blocks_at_longest(prompts[-1], 40, 16) * 16)
     monkeypatch.setattr(paged, "free_host_bytes", lambda: working + 2 * 12 * block_bytes)
     chosen, choose = [], speedups.SpeedUps.choose
     monkeypatch.setattr(speedups.SpeedUps, "choose",
@@ -662,3 +676,37 @@ def test_train_refuses_a_kv_budget_under_one_row_before_any_weight_loads(tmp_pat
         launch.setup(config.parse_config(argv)[0])
     assert "train.py: --kv-budget 1e-06 GiB: a row of" in str(refused.value) and not loads
     assert "new tokens needs" in str(refused.value) and "raise --kv-budget" in str(refused.value)
+
+
+# ----------------------------------------------------------------------------- reads by groups
+
+def test_read_groups_by_hand():
+    """Rows widest first, grouped while a group reads at most 1.25x the blocks its rows hold."""
+    from engine.paged import read_groups
+    assert read_groups([8, 7, 2, 2, 1]) == [(0, 2, 8), (2, 5, 2)]  # 16 of 15 held; 6 of 5
+    assert read_groups([5]) == [(0, 1, 5)] and read_groups([3, 3, 3]) == [(0, 3, 3)]
+    assert read_groups([100] + [1] * 50) == [(0, 1, 100), (1, 51, 1)]
+    assert read_groups([5, 4]) == [(0, 2, 5)] and read_groups([5, 2]) == [(0, 1, 5), (1, 2, 2)]
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "gemma2", "qwen3_moe"])
+def test_decode_read_in_groups_keeps_every_sample(tiny, family, monkeypatch):
+    """A long tail (prompts of 3 to 60 tokens, rows stopping early, one-position blocks: widths
+    change at every step): each decode step's rows read in groups of like width give the samples
+    of every row read at the widest (sliding windows, soft caps, MoE routes), and attention reads
+    at most 1.25x the blocks the rows hold, where reading at the widest reads far more."""
+    from engine import paged
+    model = tiny(family)
+    prompts = prompts_of(model, lengths=(60, 3, 5, 40, 7, 3))
+    kw = dict(num_samples=3, max_new_tokens=30, temperature=1.0, seed=8, stop_token_ids=[9, 17],
+              compile=False, record_routing=True, kv_budget=budget(model, 400, block_size=1),
+              block_size=1)
+    grouped, widest = {}, {}
+    got = generate(model, prompts, **generate_args(stats=grouped, **kw))
+    monkeypatch.setattr(paged, "read_groups", lambda widths: [(0, len(widths), widths[0])])
+    want = generate(model, prompts, **generate_args(stats=widest, **kw))
+    assert_same(got, want)
+    for a, b in zip(got, want):
+        assert a.routing is None or torch.equal(a.routing, b.routing)
+    assert grouped["blocks_held"] == widest["blocks_held"]
+    assert grouped["blocks_read"] <= 1.25 * grouped["blocks_held"] < widest["blocks_read"] / 1.5
