@@ -364,3 +364,40 @@ def test_plan_only_names_a_bad_world_size(tmp_path, monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", bad)
         with pytest.raises(SystemExit, match=f"WORLD_SIZE ranks: a whole number >= 1, got '{bad}'"):
             mp.plan_only(args, launch.load_data)
+
+
+def readme_plan_table() -> dict:
+    """MEASUREMENTS.md's table of the README's GPU commands, planned: (model size, data, GPUs,
+    'P x G x N / mu') -> its row's cells."""
+    text = (ROOT / "MEASUREMENTS.md").read_text()
+    table = text.split("**The README's GPU commands, planned**")[1].split("\n\n")[1]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    return {tuple(row[:4]): row for row in rows}
+
+
+def test_the_readme_gpu_commands_train_on_enough_samples_as_the_plan_table_says(tmp_path,
+                                                                               monkeypatch, capsys):
+    """Every README GPU command trains on at least 256 samples an optimizer update (prompts x
+    samples / mini-batches, the preset's where the command sets none), and has its row in
+    MEASUREMENTS.md's plan table with the same flags and the peaks --plan-only prints; every row
+    of the table but the refused one is a README command."""
+    table, seen = readme_plan_table(), set()
+    for ranks, argv in readme_gpu_commands():
+        model = argv[argv.index("--model") + 1]
+        size = model.split("Qwen2.5-")[1].split("-")[0]
+        (tmp_path / "config.json").write_text(json.dumps(qwen25_config(size)))
+        args, _ = config.parse_config([str(tmp_path) if a == model else a for a in argv]
+                                      + ["--plan-only", "80"])
+        per_update = args.prompts_per_step * args.samples // args.mini_batches
+        assert per_update >= 256, (argv, per_update)
+        gpus = f"{ranks} {'FSDP' if args.fsdp else 'DDP'}" if ranks > 1 else "1"
+        key = (size, args.data.split(":")[0], gpus, f"{args.prompts_per_step} x {args.samples} x "
+               f"{args.max_new_tokens:,} / {args.mini_batches}")
+        assert key in table, (key, sorted(table))
+        monkeypatch.setenv("WORLD_SIZE", str(ranks))
+        mp.plan_only(args, launch.load_data)
+        peaks = capsys.readouterr().out.split("peak     ")[1].splitlines()[0]  # rollout X, update Y
+        row = table[key]
+        assert row[4] == f"{per_update}" and f"rollout {row[7]}, update {row[6]}" == peaks, (row, peaks)
+        seen.add(key)
+    assert {key for key, row in table.items() if "refused" not in row[5]} == seen
