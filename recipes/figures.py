@@ -569,105 +569,152 @@ def branches(call):
     return out
 
 
-def draw_step(steps, out):
-    pyplot = runs._pyplot()
+# The step picture's layout, in inches unless named otherwise.
+MONO = "DejaVu Sans Mono"
+SIZE = 10.5                                  # points: the calls' monospaced text
+LINE, PAD, INDENT = 0.32, 0.18, 0.28         # a text line, a box's margin, one level
+CHAR = SIZE / 72 * 0.602                     # a monospaced character
+MAIN_X, MAIN_W = 0.25, 5.6                   # the blue boxes: a step's path
+SIDE_X, SIDE_W = MAIN_X + MAIN_W + 0.6, 6.4  # the grey boxes: its branches off the path
+GAP = 0.55                                   # between two steps: the arrow and its label
+HEADER, FOOTER = 1.25, 0.45
+BLUE, INK, GREY, GREY_INK, GREY_FILL = "#2f5f98", "#15212e", "#8c8c8c", "#5c5c5c", "#f2f2f2"
+DASHED = (0, (4, 3))
+
+
+@dataclass(frozen=True)
+class Band:
+    """One step's strip of the picture: its blue box's lines, its grey box's rows, their heights."""
+    step: object
+    lines: list      # [(depth, Call)]: the on-path calls
+    entries: list    # [(depth, name, condition, together)]: the branches off it
+    height: float    # the taller of the two boxes
+    main_h: float
+    side_h: float    # 0 without branches
+
+
+def side_entries(call):
+    """The grey box's rows for `call`: (depth, name, condition, whether both fit on one line)."""
+    entries = []
+    for depth, inner in branches(call):
+        name = f"{inner.module}:{inner.name}"
+        condition = f"if {inner.condition}"
+        room = (SIDE_W - 2 * PAD - depth * INDENT) / CHAR
+        # the condition in italic sans: a character about 0.55 of its size wide
+        together = (len(name) + 2) * CHAR + len(condition) * (SIZE - 0.5) / 72 * 0.55 <= room * CHAR
+        entries.append((depth, name, condition if together else shorten(condition, int(room - 2)),
+                        together))
+    return entries
+
+
+def measure_band(step):
+    """The step's band: what its two boxes hold and how tall each is."""
+    lines = path_lines(step.call)
+    entries = side_entries(step.call)
+    main_h = (1 + len(lines)) * LINE + 2 * PAD
+    side_h = sum(1 if together else 2 for *_, together in entries) * LINE + 2 * PAD if entries else 0
+    return Band(step, lines, entries, max(main_h, side_h), main_h, side_h)
+
+
+def draw_header(ax, steps, batch):
+    """The title and the two lines saying what blue and grey mean."""
+    ax.text(MAIN_X, 0.36, f"One training step: {STEP_FILE}'s {STEP_FUNCTION}, its {len(steps)} numbered "
+            f"calls, one {batch} batch", fontsize=14, weight="bold", va="center", color=INK)
+    ax.text(MAIN_X, 0.7, "blue: the path of --preset dapo, each function once; eq. N: the DAPO paper's "
+            "equation (arXiv 2503.14476) that the function's docstring names", fontsize=10,
+            va="center", color=BLUE)
+    ax.text(MAIN_X, 0.98, "grey: where a flag, a task in turns or an MoE model leaves that path, "
+            "with the condition the code tests", fontsize=10, va="center", color=GREY_INK, style="italic")
+
+
+def draw_main_box(ax, step, lines, top, height):
+    """The step's blue box at `top`: its number, its call and the on-path calls below it."""
+    from matplotlib.patches import FancyBboxPatch
+    ax.add_patch(FancyBboxPatch((MAIN_X, top), MAIN_W, height,
+                                boxstyle="round,pad=0,rounding_size=0.1", facecolor="#e8f0fa",
+                                edgecolor=BLUE, linewidth=1.5))
+    first = top + PAD + LINE / 2
+    ax.text(MAIN_X + PAD, first, step.number, fontsize=13, weight="bold", color=BLUE, va="center")
+    text_x = MAIN_X + PAD + 0.5
+    ax.text(text_x, first, f"{step.call.module}:{step.call.name}", fontsize=SIZE + 1, weight="bold",
+            family=MONO, color=INK, va="center")
+    if step.call.equation:
+        ax.text(MAIN_X + MAIN_W - PAD, first, step.call.equation, fontsize=SIZE, color=BLUE,
+                weight="bold", va="center", ha="right")
+    for k, (depth, call) in enumerate(lines):
+        row_y = first + (k + 1) * LINE
+        ax.text(text_x + INDENT * depth, row_y, f"\u2192 {call.module}:{call.name}", fontsize=SIZE,
+                family=MONO, color=INK, va="center")
+        if call.equation:
+            ax.text(MAIN_X + MAIN_W - PAD, row_y, call.equation, fontsize=SIZE, color=BLUE,
+                    weight="bold", va="center", ha="right")
+
+
+def draw_side_box(ax, entries, top, height, main_middle):
+    """The step's grey box of branches at `top`, dashed, an arrow to it from `main_middle`."""
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+    ax.add_patch(FancyBboxPatch((SIDE_X, top), SIDE_W, height,
+                                boxstyle="round,pad=0,rounding_size=0.1", facecolor=GREY_FILL,
+                                edgecolor=GREY, linewidth=1.0, linestyle=DASHED))
+    ax.add_patch(FancyArrowPatch(main_middle, (SIDE_X, top + height / 2), arrowstyle="-|>",
+                                 mutation_scale=12, color=GREY, lw=1.0, linestyle=DASHED))
+    row_y = top + PAD + LINE / 2
+    for depth, name, condition, together in entries:
+        x = SIDE_X + PAD + depth * INDENT
+        shown = ("\u2192 " if depth else "") + name
+        ax.text(x, row_y, shown, fontsize=SIZE, family=MONO, color=GREY_INK, va="center")
+        if together:
+            ax.text(x + (len(shown) + 2) * CHAR, row_y, condition, fontsize=SIZE - 0.5, color=GREY,
+                    style="italic", va="center")
+        else:
+            row_y += LINE
+            ax.text(x + 0.3, row_y, condition, fontsize=SIZE - 0.5, color=GREY, style="italic",
+                    va="center")
+        row_y += LINE
 
-    mono = "DejaVu Sans Mono"
-    size = 10.5                                  # points: the calls' monospaced text
-    line, pad, indent = 0.32, 0.18, 0.28         # inches: a text line, a box's margin, one level
-    char = size / 72 * 0.602                     # a monospaced character, in inches
-    main_x, main_w = 0.25, 5.6
-    side_x, side_w = main_x + main_w + 0.6, 6.4
-    gap = 0.55                                   # between two steps: the arrow and its label
-    blue, ink, grey, grey_ink, grey_fill = "#2f5f98", "#15212e", "#8c8c8c", "#5c5c5c", "#f2f2f2"
+
+def draw_band(ax, band, y):
+    """Draws the band at `y`: its blue box and any grey box, each centred; returns the blue box's top."""
+    top = y + (band.height - band.main_h) / 2
+    draw_main_box(ax, band.step, band.lines, top, band.main_h)
+    if band.entries:
+        draw_side_box(ax, band.entries, y + (band.height - band.side_h) / 2, band.side_h,
+                      (MAIN_X + MAIN_W, top + band.main_h / 2))
+    return top
+
+
+def draw_flow_arrow(ax, start, end, label):
+    """The blue arrow down from one step's box to the next's, with what it carries."""
+    from matplotlib.patches import FancyArrowPatch
+    x = MAIN_X + 0.9
+    ax.add_patch(FancyArrowPatch((x, start), (x, end), arrowstyle="-|>", mutation_scale=16,
+                                 color=BLUE, lw=1.8))
+    ax.text(x + 0.18, (start + end) / 2, label, fontsize=SIZE + 0.5, color=BLUE, style="italic",
+            va="center")
+
+
+def draw_step(steps, out):
+    """The picture of one training step: a band a numbered call, arrows between them, to `out`."""
+    pyplot = runs._pyplot()
     batch = batch_type(STEP_FILE)
-
-    bands = []
-    for step in steps:
-        lines = path_lines(step.call)
-        entries = []
-        for depth, call in branches(step.call):
-            name = f"{call.module}:{call.name}"
-            condition = f"if {call.condition}"
-            room = (side_w - 2 * pad - depth * indent) / char
-            # the condition in italic sans: a character about 0.55 of its size wide
-            together = (len(name) + 2) * char + len(condition) * (size - 0.5) / 72 * 0.55 <= room * char
-            entries.append((depth, name, condition if together else shorten(condition, int(room - 2)),
-                            together))
-        main_h = (1 + len(lines)) * line + 2 * pad
-        side_h = sum(1 if e[3] else 2 for e in entries) * line + 2 * pad if entries else 0
-        bands.append((step, lines, entries, max(main_h, side_h), main_h, side_h))
-    header, footer = 1.25, 0.45
-    height = header + footer + sum(b[3] for b in bands) + gap * (len(bands) - 1)
-    width = side_x + side_w + 0.25
+    bands = [measure_band(step) for step in steps]
+    height = HEADER + FOOTER + sum(b.height for b in bands) + GAP * (len(bands) - 1)
+    width = SIDE_X + SIDE_W + 0.25
     fig = pyplot.figure(figsize=(width, height))
     ax = fig.add_axes([0, 0, 1, 1])
     ax.set_xlim(0, width)
     ax.set_ylim(height, 0)
     ax.axis("off")
-
-    ax.text(main_x, 0.36, f"One training step: {STEP_FILE}'s {STEP_FUNCTION}, its {len(steps)} numbered "
-            f"calls, one {batch} batch", fontsize=14, weight="bold", va="center", color=ink)
-    ax.text(main_x, 0.7, "blue: the path of --preset dapo, each function once; eq. N: the DAPO paper's "
-            "equation (arXiv 2503.14476) that the function's docstring names", fontsize=10,
-            va="center", color=blue)
-    ax.text(main_x, 0.98, "grey: where a flag, a task in turns or an MoE model leaves that path, "
-            "with the condition the code tests", fontsize=10, va="center", color=grey_ink, style="italic")
-
-    y = header
-    for index, (step, lines, entries, band_h, main_h, side_h) in enumerate(bands):
-        top = y + (band_h - main_h) / 2
-        ax.add_patch(FancyBboxPatch((main_x, top), main_w, main_h,
-                                    boxstyle="round,pad=0,rounding_size=0.1", facecolor="#e8f0fa",
-                                    edgecolor=blue, linewidth=1.5))
-        first = top + pad + line / 2
-        ax.text(main_x + pad, first, step.number, fontsize=13, weight="bold", color=blue, va="center")
-        text_x = main_x + pad + 0.5
-        ax.text(text_x, first, f"{step.call.module}:{step.call.name}", fontsize=size + 1, weight="bold",
-                family=mono, color=ink, va="center")
-        if step.call.equation:
-            ax.text(main_x + main_w - pad, first, step.call.equation, fontsize=size, color=blue,
-                    weight="bold", va="center", ha="right")
-        for k, (depth, call) in enumerate(lines):
-            row_y = first + (k + 1) * line
-            ax.text(text_x + indent * depth, row_y, f"\u2192 {call.module}:{call.name}", fontsize=size,
-                    family=mono, color=ink, va="center")
-            if call.equation:
-                ax.text(main_x + main_w - pad, row_y, call.equation, fontsize=size, color=blue,
-                        weight="bold", va="center", ha="right")
-        if entries:
-            side_top = y + (band_h - side_h) / 2
-            ax.add_patch(FancyBboxPatch((side_x, side_top), side_w, side_h,
-                                        boxstyle="round,pad=0,rounding_size=0.1", facecolor=grey_fill,
-                                        edgecolor=grey, linewidth=1.0, linestyle=(0, (4, 3))))
-            ax.add_patch(FancyArrowPatch((main_x + main_w, top + main_h / 2),
-                                         (side_x, side_top + side_h / 2), arrowstyle="-|>",
-                                         mutation_scale=12, color=grey, lw=1.0, linestyle=(0, (4, 3))))
-            row_y = side_top + pad + line / 2
-            for depth, name, condition, together in entries:
-                x = side_x + pad + depth * indent
-                shown = ("\u2192 " if depth else "") + name
-                ax.text(x, row_y, shown, fontsize=size, family=mono, color=grey_ink, va="center")
-                if together:
-                    ax.text(x + (len(shown) + 2) * char, row_y, condition, fontsize=size - 0.5, color=grey,
-                            style="italic", va="center")
-                else:
-                    row_y += line
-                    ax.text(x + 0.3, row_y, condition, fontsize=size - 0.5, color=grey, style="italic",
-                            va="center")
-                row_y += line
-        y += band_h
-        if index + 1 < len(bands):
-            following = bands[index + 1]
-            start, end = top + main_h, y + gap + (following[3] - following[4]) / 2
-            x = main_x + 0.9
-            ax.add_patch(FancyArrowPatch((x, start), (x, end), arrowstyle="-|>", mutation_scale=16,
-                                         color=blue, lw=1.8))
-            ax.text(x + 0.18, (start + end) / 2, flow_label(step, following[0], batch), fontsize=size + 0.5,
-                    color=blue, style="italic", va="center")
-            y += gap
-    ax.text(main_x, height - footer / 2, f"python recipes/figures.py step: read from {STEP_FILE} "
+    draw_header(ax, steps, batch)
+    y = HEADER
+    for band, following in zip(bands, bands[1:] + [None]):
+        top = draw_band(ax, band, y)
+        y += band.height
+        if following is not None:
+            draw_flow_arrow(ax, top + band.main_h, y + GAP + (following.height - following.main_h) / 2,
+                            flow_label(band.step, following.step, batch))
+            y += GAP
+    ax.text(MAIN_X, height - FOOTER / 2, f"python recipes/figures.py step: read from {STEP_FILE} "
             f"(a numbered call: a '# N' comment in {STEP_FUNCTION}) and the files it calls, under "
             "dapo.PRESETS['dapo']", fontsize=9, color="#6a6a6a", va="center")
     fig.savefig(out, dpi=130)
