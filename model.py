@@ -287,7 +287,7 @@ class PagedKVCache:
         # A decode step's rows in groups of like width, widest first: [(first row, end, blocks
         # read)] (engine/paged.py's read_groups), each group reading its own widest row's blocks
         # and not the batch's; None: every row reads as many blocks as the widest.
-        self.groups = None
+        self.row_groups = None
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
@@ -314,12 +314,12 @@ class PagedKVCache:
 
     def attend(self, layer, q, k, v, mask, scale=None, softcap=None):
         """Stores k, v (b, Hkv, T, D); q (b, Hq, T, D) attends to its row's, mask (b, 1, T, S)."""
-        if self.groups and q.shape[2] == 1:  # a decode step, each group of rows at its own width
+        if self.row_groups and q.shape[2] == 1:  # a decode step, each group of rows at its own width
             self.store(layer, k, v)
             bs = self.block_size
             return torch.cat([attend_paged(q[a:e], *self.gather(layer, self.tables[a:e, :width]),
                                            mask[a:e, ..., :width * bs], scale, softcap)
-                              for a, e, width in self.groups])  # (b, Hq, 1, D)
+                              for a, e, width in self.row_groups])  # (b, Hq, 1, D)
         k, v = self.write(layer, k, v)  # (Hkv, b, S, D), heads first: position s at index s
         if softcap or q.shape[2] == 1:  # a decode step (or Gemma 2's cap)
             return attend_paged(q, k, v, mask, scale, softcap)

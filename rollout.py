@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.paged import (Engine, EngineOptions, default_kv_budget, pool_blocks, refuse_unfit,
-                          tokens_so_far)
+from engine.paged import (Engine, EngineOptions, default_kv_budget, draw_bytes, pool_blocks,
+                          refuse_unfit, tokens_so_far)
 from model import PagedKVCache, Transformer
 
 
@@ -236,14 +236,15 @@ def generate(model: Transformer, prompts, sampling=Sampling(), *, num_samples=1,
     engine's counts. -> list[Completion], prompt-major; the same seed, the same samples."""
     counts, seeds = _check_inputs(model, prompts, num_samples, sampling, check_every, sampling.seed)
     rows, record = engine.max_rows or sum(counts), record_routing and model.config.num_experts > 0
+    draw = draw_bytes(sampling.temperature, sampling.top_p, sampling.top_k)  # its memory, a row
     budget = engine.kv_budget if engine.kv_budget is not None else default_kv_budget(
-        model, prompts, counts, sampling.max_new_tokens, engine.block_size, rows)  # a CPU's share
+        model, prompts, counts, sampling.max_new_tokens, engine.block_size, rows, draw)  # a CPU's
     speed = engine.speed  # None: the plain step and cache
     step_fn, cache = speed.choose(model, record, budget) if speed else (decode_step, PagedKVCache)
     graphs = getattr(step_fn, "capture", False)  # CUDA graphs hold the step's memory once more
     with speed.context() if speed else contextlib.nullcontext():
         blocks = pool_blocks(model, prompts, counts, sampling.max_new_tokens, engine.block_size,
-                             budget, rows, graphs, cache)
+                             budget, rows, graphs, cache, draw)
         grouped = step_fn is decode_step and cache is PagedKVCache  # an eager step reads by groups
         running = Engine(model, blocks, engine.block_size, rows, engine.prefill_tokens, record,
                          cache, grouped)

@@ -20,6 +20,7 @@ Tests: `python -m pytest tests/test_engine.py`.
 """
 
 import itertools
+import os
 import resource
 from collections import deque
 from dataclasses import dataclass, field
@@ -124,12 +125,12 @@ def bucket(n):
 
 
 def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, rows=None,
-                cuda_graphs=False, cache=PagedKVCache):
+                cuda_graphs=False, cache=PagedKVCache, draw=16):
     """The pool's size in blocks (the scratch block included): what every row needs at its
     longest, no more; within kv_budget GiB when given, and on CUDA within 90% of the memory free
     (`free_cuda_bytes`: the allocator's cache counted free) beside the decode step's working
-    memory (`rows` at once, all by default; `cuda_graphs`), with the maps a `cache` class keeps
-    for each block too where it has them (FlexAttention's grow with the pool:
+    memory (`rows` at once, all by default; `cuda_graphs`; the draw's `draw` bytes a row a
+    vocabulary entry, `draw_bytes`), with the maps a `cache` class keeps for each block too where it has them (FlexAttention's grow with the pool:
     flex_decode.FlexPagedKVCache.map_bytes).
     A row that cannot fit alone is refused here, before any work, with the arithmetic."""
     cfg, rows = model.config, rows or sum(counts)
@@ -145,7 +146,7 @@ def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, r
         map_bytes = getattr(cache, "map_bytes", None)
         working = decode_working_bytes(cfg, rows, cuda_graphs, block_size=block_size,
                                        positions=0 if map_bytes else max(longest) * block_size,
-                                       width=model.dtype.itemsize)
+                                       width=model.dtype.itemsize, draw=draw)
         free = 0.9 * max(0, free_cuda_bytes(model.device) - working)
         maps = (map_bytes(cfg, rows) + (map_bytes(cfg, bucket(rows)) if cuda_graphs else 0)
                 if map_bytes else 0)
@@ -156,12 +157,15 @@ def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, r
 
 def free_cuda_bytes(device) -> int:
     """What a pool may take on a GPU: the driver's free memory and what PyTorch's caching
-    allocator holds reserved but unallocated. A step's pool and update are freed into that cache,
-    which the driver counts as used: the next step's pool, sized from the driver's figure alone,
-    would find almost nothing free. An allocation the cache cannot serve makes the allocator
-    release its cached blocks and try again, so they are free to the pool."""
+    allocator holds reserved but unallocated, less the free parts of segments partly in use (the
+    allocator cannot hand those back). A step's pool and update are freed into that cache, which
+    the driver counts as used: the next step's pool, sized from the driver's figure alone, would
+    find almost nothing free. An allocation the cache cannot serve makes the allocator release its
+    unused segments and try again, so they are free to the pool."""
     free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    stats = torch.cuda.memory_stats(device)
+    cached = stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
+    return free + cached - stats.get("inactive_split_bytes.all.current", 0)
 
 
 HOST_SHARE = 0.5  # of the host's free memory, for a CPU call's KV blocks when no budget is given
@@ -169,8 +173,9 @@ HOST_SHARE = 0.5  # of the host's free memory, for a CPU call's KV blocks when n
 
 def free_host_bytes() -> int | None:
     """What a pool may take on a CPU: the memory Linux calls available (MemAvailable: free, and
-    the page cache it can drop), within the process's address-space limit (ulimit -v) less what
-    the process maps already. None where /proc does not say (not Linux)."""
+    the page cache it can drop), within a container's limit (cgroup v2's memory.max less its
+    memory.current) and the process's address-space limit (ulimit -v) less what it maps already.
+    None where /proc does not say (not Linux)."""
     try:
         with open("/proc/meminfo") as f:
             available = next(int(line.split()[1]) * 1024 for line in f
@@ -180,17 +185,27 @@ def free_host_bytes() -> int | None:
     except (OSError, StopIteration, ValueError):
         return None
     limit, _ = resource.getrlimit(resource.RLIMIT_AS)
-    return available if limit == resource.RLIM_INFINITY else min(available, limit - mapped)
+    if limit != resource.RLIM_INFINITY:
+        available = min(available, limit - mapped)
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            ceiling = f.read().strip()
+            if ceiling != "max":
+                available = min(available, int(ceiling) - int(g.read()))
+    except (OSError, ValueError):  # no cgroup v2 here, or no limit
+        pass
+    return max(0, available)
 
 
-def default_kv_budget(model, prompts, counts, max_new_tokens, block_size, rows=None):
+def default_kv_budget(model, prompts, counts, max_new_tokens, block_size, rows=None, draw=16):
     """A CPU call's KV budget in GiB when none is given: None (no bound) where every row at its
     longest fits in HOST_SHARE of the host's free memory beside the decode step, together with
     the decoding rows' keys gathered once more (engine/speed.py's KeptRowsKVCache, the CPU's
-    choice with no budget: at most every row at the widest row's length); else that share, the
-    pool waiting and preempting within it, the samples unchanged. The other half is what the call
-    grows as it runs (its rows' tokens and log-probs; the heap glibc keeps). On CUDA None:
-    pool_blocks bounds the pool by the GPU's free memory."""
+    choice with no budget: at most every row at the widest row's length); else that share, split
+    between the ranks of the node (LOCAL_WORLD_SIZE, as torchrun sets it), and never less than
+    one row at its longest: the pool waits and preempts within it, the samples unchanged. The
+    other half is what the call grows as it runs (its rows' tokens and log-probs; the heap glibc
+    keeps). On CUDA None: pool_blocks bounds the pool by the GPU's free memory."""
     free = free_host_bytes() if model.device.type == "cpu" else None
     if free is None:
         return None
@@ -200,9 +215,12 @@ def default_kv_budget(model, prompts, counts, max_new_tokens, block_size, rows=N
     need = sum(n * c for n, c in zip(longest, counts)) * block_bytes  # every row at its longest
     gathered = min(rows, sum(counts)) * max(longest) * block_bytes  # KeptRowsKVCache's copy
     working = decode_working_bytes(cfg, rows, positions=max(longest) * block_size,
-                                   width=model.dtype.itemsize)  # one layer's gather, or the draw
-    room = HOST_SHARE * max(0, free - working)
-    return None if need + gathered <= room else room / 2**30
+                                   width=model.dtype.itemsize, draw=draw)  # a layer's gather, or the draw
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    room = HOST_SHARE * max(0, free - working) / ranks
+    if need + gathered <= room:
+        return None
+    return max(room, (1 + max(longest)) * block_bytes) / 2**30  # (one row: refused by no default)
 
 
 def draw_bytes(temperature=1.0, top_p=1.0, top_k=0) -> int:
@@ -416,22 +434,25 @@ class Engine:
         self.make_room()
         rows = self.decoding
         widths = [len(row.table) for row in rows]
+        groups = [(0, len(rows), max(widths))]  # every row read at the widest
         if self.grouped:  # widest first (a stable sort), each group read at its own width
             rows = sorted(rows, key=lambda row: -len(row.table))
             widths = sorted(widths, reverse=True)
-            self.cache.groups = read_groups(widths)
-        self.stats["blocks_held"] += sum(widths)
-        self.stats["blocks_read"] += sum((e - a) * w for a, e, w in self.cache.groups) \
-            if self.grouped else len(rows) * max(widths)
+            groups = read_groups(widths)
+        self.stats["blocks_held"] += sum(widths)  # (FlexAttention reads these alone; graphs pad)
+        self.stats["blocks_read"] += sum((end - first) * width for first, end, width in groups)
         on_host = torch.tensor([row.index for row in rows])  # (b,)
         index = on_host.to(self.model.device)
         fed = self.tensor([row.tokens[-1] for row in rows])  # (b,)
         start = self.tensor([row.cached for row in rows])  # (b,) the fed token's position
         draws = self.tensor([len(row.tokens) for row in rows])  # (b,) each row's step
         routing = Routing() if self.record else None
-        drawn, logp = step_fn(self.model, fed, start, self.decoding_tables(rows, on_host),
-                              self.cache, self.keys[index], draws, *sampling.values(), routing)
-        self.cache.groups = None  # (a prefill of one position would read them otherwise)
+        self.cache.row_groups = groups if self.grouped else None
+        try:
+            drawn, logp = step_fn(self.model, fed, start, self.decoding_tables(rows, on_host),
+                                  self.cache, self.keys[index], draws, *sampling.values(), routing)
+        finally:
+            self.cache.row_groups = None  # (a prefill of one position would read them otherwise)
         routes = routing.stacked(self.model.config).short().cpu() if routing else None  # (b, 1, L, k)
         for i, row in enumerate(rows):
             if routes is not None:  # the fed token's experts

@@ -178,12 +178,13 @@ def setup(args):
         reward_function, reward_parts = task_reward_function(args, source)
     except ValueError as e:
         sys.exit(f"train.py: {e}")
-    longest_prompt = data.longest_prompt(source, tokenizer, args.template)  # None: in turns
     capacity = memory_plan.device_capacity(device)  # a GPU's: a run that cannot fit stops here
-    if capacity:
-        memory_plan.check_before_loading(args, model_config, longest_prompt, world, capacity, rank)
     bf16 = config.uses_bf16(args, device.type == "cuda")
-    refuse_small_kv_budget(args, model_config, longest_prompt, bf16)
+    if capacity or args.kv_budget:
+        longest_prompt = data.longest_prompt(source, tokenizer, args.template)  # None: in turns
+        refuse_small_kv_budget(args, model_config, longest_prompt, bf16)  # (named before the plan)
+        if capacity:
+            memory_plan.check_before_loading(args, model_config, longest_prompt, world, capacity, rank)
     try:
         model, policy, sampler, reference = (sharded_policy if args.fsdp else whole_policy)(
             args, model_config, bf16)
@@ -211,9 +212,10 @@ def setup(args):
 
 
 def refuse_small_kv_budget(args, cfg, longest_prompt, bf16):
-    """A --kv-budget that cannot hold one row at its longest (the data's longest prompt and
-    --max-new-tokens, in the sampler's dtype) stops the run here, before any weight loads, with
-    the arithmetic: every rollout would refuse it."""
+    """A --kv-budget that cannot hold one row at its longest (the data's longest prompt as
+    data.longest_prompt estimates it, and --max-new-tokens, in the sampler's dtype) stops the run
+    here, before any weight loads, with the arithmetic: every rollout would refuse it. (A longer
+    prompt than the estimate is still refused by the rollout that meets it.)"""
     if not args.kv_budget or longest_prompt is None:
         return
     block_size = paged.EngineOptions.block_size

@@ -28,7 +28,7 @@ and `--plan-only` prints it alone. The arithmetic, P parameters (P_t of them tra
             and needs one row at its longest); the decode step, R rows at once (--max-rows, else
             all), S the widest row's positions in whole blocks, w the sampler's bytes a weight,
             H query heads, the larger of one layer's attention and the draw, never at once:
-                attention = R x S x (2 C_kv w + H (w + 8))   (float32: H x 8; Gemma 2: H x 12)
+                attention = R x S x (2 C_kv w + H (w + 8))   (float32: H x 8, Gemma 2's cap H x 12)
                 draw      = R x V x 16   (temperature != 1: 20; top-p: + 17; paged.draw_bytes)
             the attention gathers each row's keys and values through its table (2 C_kv w) and
             holds its scores masked, in fp32 and their softmax (w + 8); the draw holds fp32
@@ -307,6 +307,7 @@ def for_run(args, cfg: ModelConfig, *, world: int, distributed: bool, cuda: bool
                  micro_batch_tokens=args.micro_batch_tokens, kv_budget=args.kv_budget,
                  checkpointing=config.checkpoints_activations(args, parameters, cuda),
                  capacity=capacity, cuda_graphs=graphs, max_rows=args.max_rows,
+                 # (kept where every row fits half the host's memory: paged.default_kv_budget)
                  kept_rows=bool(not cuda and not args.kv_budget and eager),
                  draw=draw_bytes(args.temperature, args.top_p))
     return terms, longest_row, bf16

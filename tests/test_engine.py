@@ -311,8 +311,7 @@ def test_on_cuda_the_pool_leaves_the_decode_steps_memory_free(tiny, monkeypatch)
     stand_in = types.SimpleNamespace(config=cfg, dtype=torch.bfloat16, device=torch.device("cuda"))
     free = 2**21  # bytes: a pool bound by the device, not by the rows
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 * free))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {})
     block_bytes = PagedKVCache.bytes_per_block(cfg, 16, torch.bfloat16)
     prompts, counts = [[1] * 10] * 4, [32] * 4  # 128 rows of every row at its longest: 5 blocks
     H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -605,12 +604,15 @@ def test_a_pool_sized_with_memory_in_the_allocators_cache_equals_a_fresh_ones(ti
     gpu_model = SimpleNamespace(config=cfg, dtype=torch.bfloat16, device=torch.device("cuda", 0))
     prompts, counts, new = [[5] * 500] * 8, [16] * 8, 100_000  # 128 rows: far over 4 GiB
 
-    def pool(free, reserved, allocated):
+    def pool(free, reserved, allocated, split=0):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * GIB))
-        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
-        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+        monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {
+            "reserved_bytes.all.current": reserved, "allocated_bytes.all.current": allocated,
+            "inactive_split_bytes.all.current": split})
         return paged.pool_blocks(gpu_model, prompts, counts, new, 16, None)
     fresh, second = pool(4 * GIB, 0, 0), pool(GIB // 2, 9 * GIB // 2, GIB)
+    # the free parts of segments partly in use stay the allocator's: not the pool's
+    assert pool(GIB, 9 * GIB // 2, GIB, GIB // 2) == fresh
     block_bytes = paged.PagedKVCache.bytes_per_block(cfg, 16, torch.bfloat16)
     widest = paged.blocks_at_longest(prompts[0], new, 16) * 16
     working = paged.decode_working_bytes(cfg, 128, positions=widest, width=2)
@@ -630,7 +632,7 @@ def test_a_cpu_call_with_no_budget_takes_a_share_of_the_free_memory(tiny, monkey
     prompts, kw = prompts_of(model), dict(num_samples=4, max_new_tokens=40, temperature=1.0, seed=5)
     unbounded = generate(model, prompts, **generate_args(**kw))
     block_bytes = paged.PagedKVCache.bytes_per_block(model.config, 16, model.dtype)
-    working = paged.decode_working_bytes(model.config, 4 * len(prompts), width=4,
+    working = paged.decode_working_bytes(model.config, 4 * len(prompts), width=4, draw=16,
                                          positions=paged.blocks_at_longest(prompts[-1], 40, 16) * 16)
     monkeypatch.setattr(paged, "free_host_bytes", lambda: working + 2 * 12 * block_bytes)
     chosen, choose = [], speedups.SpeedUps.choose
@@ -642,6 +644,12 @@ def test_a_cpu_call_with_no_budget_takes_a_share_of_the_free_memory(tiny, monkey
     assert chosen == [paged.PagedKVCache]
     assert_same(by_default, unbounded)
     assert_same(by_default, generate(model, prompts, **generate_args(kv_budget=budget(model, 12), **kw)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on the host: half each
+    generate(model, prompts, **generate_args(stats=stats, **kw))
+    assert stats["pool_blocks"] == 6
+    monkeypatch.setattr(paged, "free_host_bytes", lambda: 0)  # none: one row, never a refusal
+    assert_same(generate(model, prompts, **generate_args(stats=stats, **kw)), unbounded)
+    assert stats["pool_blocks"] == 1 + paged.blocks_at_longest(prompts[-1], 40, 16)
     monkeypatch.setattr(paged, "free_host_bytes", lambda: 100 * GIB)  # room: no bound, kept rows
     generate(model, prompts, **generate_args(stats=stats, **kw))
     assert chosen[-1] is speedups.KeptRowsKVCache and stats["waits"] == stats["preemptions"] == 0
