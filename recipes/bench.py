@@ -280,7 +280,8 @@ def bench_engine(args):
                f"MiB, 1/4 of {static}); waves of {[len(w) * G for w in waves]} rows"
                if device.type == "cpu" else "all rows at once")
     print(f"{len(prompts)} prompts x {G} samples, up to {N} new tokens, {len(stops)} stop ids "
-          f"(5% of rows at the limit), {where}; {setting}")
+          f"(5% of rows at the limit), {where}; {setting}"
+          + (f"; at most {args.max_rows} rows decoding at once" if args.max_rows else ""))
     stats = {}
 
     def run(name, new_tokens=N):
@@ -297,7 +298,8 @@ def bench_engine(args):
         # paged.read_groups (one group: READ_OVER unbounded)
         with mock.patch.object(paged, "READ_OVER", math.inf if "widest" in name else paged.READ_OVER):
             out = generate(model, prompts, sampling, num_samples=G, stats=stats.setdefault(name, {}),
-                           engine=EngineOptions(kv_budget=budget, speed=speed))
+                           engine=EngineOptions(kv_budget=budget, speed=speed,
+                                                max_rows=args.max_rows or None))
         return [c.tokens for c in out]
     if device.type == "cuda":
         hf = hf_model(args.model, dtype, device, tokenizer)
@@ -688,6 +690,8 @@ def main(argv=None):
     sampler.add_argument("--samples", type=int, default=4, help="samples per prompt")
     sampler.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row")
     sampler.add_argument("--rounds", type=int, default=4, help="refills: rollout rounds")
+    sampler.add_argument("--max-rows", type=int, default=0, help="engine: the most rows decoding at "
+                         "once (0: all); fewer, and rows join as others end, at other lengths")
     sampler.add_argument("--dtypes", default=None, help="comma-separated, e.g. float32,bfloat16 "
                          "(default: both where the device has native bf16, else float32; update: "
                          "bfloat16 means bf16 autocast)")
