@@ -130,8 +130,8 @@ def pool_blocks(model, prompts, counts, max_new_tokens, block_size, kv_budget, r
     longest, no more; within kv_budget GiB when given, and on CUDA within 90% of the memory free
     (`free_cuda_bytes`: the allocator's cache counted free) beside the decode step's working
     memory (`rows` at once, all by default; `cuda_graphs`; the draw's `draw` bytes a row a
-    vocabulary entry, `draw_bytes`), with the maps a `cache` class keeps for each block too where it has them (FlexAttention's grow with the pool:
-    flex_decode.FlexPagedKVCache.map_bytes).
+    vocabulary entry, `draw_bytes`), with the maps a `cache` class keeps for each block too
+    where it has them (FlexAttention's grow with the pool: flex_decode.FlexPagedKVCache.map_bytes).
     A row that cannot fit alone is refused here, before any work, with the arithmetic."""
     cfg, rows = model.config, rows or sum(counts)
     block_bytes = PagedKVCache.bytes_per_block(cfg, block_size, model.dtype)
@@ -214,8 +214,8 @@ def default_kv_budget(model, prompts, counts, max_new_tokens, block_size, rows=N
     longest = [blocks_at_longest(p, max_new_tokens, block_size) for p in prompts]
     need = sum(n * c for n, c in zip(longest, counts)) * block_bytes  # every row at its longest
     gathered = min(rows, sum(counts)) * max(longest) * block_bytes  # KeptRowsKVCache's copy
-    working = decode_working_bytes(cfg, rows, positions=max(longest) * block_size,
-                                   width=model.dtype.itemsize, draw=draw)  # a layer's gather, or the draw
+    working = decode_working_bytes(cfg, rows, positions=max(longest) * block_size,  # a layer's
+                                   width=model.dtype.itemsize, draw=draw)  # gather, or the draw
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     room = HOST_SHARE * max(0, free - working) / ranks
     if need + gathered <= room:
