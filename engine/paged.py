@@ -216,7 +216,8 @@ def default_kv_budget(model, prompts, counts, max_new_tokens, block_size, rows=N
     gathered = min(rows, sum(counts)) * max(longest) * block_bytes  # KeptRowsKVCache's copy
     working = decode_working_bytes(cfg, rows, positions=max(longest) * block_size,  # a layer's
                                    width=model.dtype.itemsize, draw=draw)  # gather, or the draw
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")  # (torchrun's; anything else: one rank)
+    ranks = int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1
     room = HOST_SHARE * max(0, free - working) / ranks
     if need + gathered <= room:
         return None

@@ -290,26 +290,14 @@ def bench_engine(args):
             return hf_long_tail(hf, prompts, G, new_tokens, stops)
         if name == "static waves":
             return static_waves(model, waves, G, sampling)
-        budget = budget_blocks * block_bytes / 2**30 if name.startswith("paged, budget") else \
-            static * block_bytes / 2**30 if name.startswith("paged, all rows") else None
-        speed = SpeedUps(compile="blocks compiled" in name, cuda_graphs=name.endswith("CUDA graphs"),
-                         flex_attention="FlexAttention" in name)
-        # "at the widest": every row of a decode step reads the widest row's blocks, as before
-        # paged.read_groups (one group: READ_OVER unbounded)
-        with mock.patch.object(paged, "READ_OVER", math.inf if "widest" in name else paged.READ_OVER):
-            out = generate(model, prompts, sampling, num_samples=G, stats=stats.setdefault(name, {}),
-                           engine=EngineOptions(kv_budget=budget, speed=speed,
-                                                max_rows=args.max_rows or None))
-        return [c.tokens for c in out]
-    if device.type == "cuda":
-        hf = hf_model(args.model, dtype, device, tokenizer)
-        names = [name for name in ["paged", "paged, CUDA graphs", "paged, FlexAttention",
-                                   "paged, FlexAttention, CUDA graphs",
-                                   "paged, blocks compiled, CUDA graphs", "transformers"]
-                 if PATH_KEYS[name] in args.paths]
-    else:
-        names = ["static waves", "paged, budget", "paged, budget, at the widest",
-                 "paged, all rows (a budget)", "paged, no budget"]  # none: rows kept gathered
+        budget = budget_blocks if name.startswith("paged, budget") else \
+            static if name.startswith("paged, all rows") else None
+        engine = EngineOptions(kv_budget=budget and budget * block_bytes / 2**30,
+                               max_rows=args.max_rows or None, speed=path_speed_ups(name))
+        return paged_tokens(model, prompts, G, sampling, engine, stats.setdefault(name, {}),
+                            at_the_widest="widest" in name)
+    hf = hf_model(args.model, dtype, device, tokenizer) if device.type == "cuda" else None
+    names = engine_paths(device, args.paths)
     for name in list(names):  # warm-up: kernels chosen, libraries loaded
         first_call(names, name, lambda: run(name, new_tokens=8))
     outputs, times = timed_paths(names, run, args.repeats, device)
@@ -321,6 +309,33 @@ def bench_engine(args):
     if device.type == "cuda":
         print(f"  memory-bandwidth bound {long_tail_bound(model, prompts, G, outputs[ours[0]]):.0f} "
               f"tok/s (the engine's lengths)")
+
+
+def engine_paths(device, paths):
+    """bench_engine's paths: on CUDA those of `paths` (--paths); on a CPU the static waves and
+    the engine under a budget (read in groups, and at the widest), a budget of every row (the
+    plain cache) and none (the rows kept gathered)."""
+    if device.type == "cuda":
+        return [name for name in ["paged", "paged, CUDA graphs", "paged, FlexAttention",
+                                  "paged, FlexAttention, CUDA graphs",
+                                  "paged, blocks compiled, CUDA graphs", "transformers"]
+                if PATH_KEYS[name] in paths]
+    return ["static waves", "paged, budget", "paged, budget, at the widest",
+            "paged, all rows (a budget)", "paged, no budget"]
+
+
+def path_speed_ups(name):
+    return SpeedUps(compile="blocks compiled" in name, cuda_graphs=name.endswith("CUDA graphs"),
+                    flex_attention="FlexAttention" in name)
+
+
+def paged_tokens(model, prompts, samples, sampling, engine, stats, at_the_widest=False):
+    """generate's rows' tokens; `at_the_widest`: every row of a decode step reads the widest
+    row's blocks, as before paged.read_groups (one group: READ_OVER unbounded)."""
+    over = math.inf if at_the_widest else paged.READ_OVER
+    with mock.patch.object(paged, "READ_OVER", over):
+        out = generate(model, prompts, sampling, num_samples=samples, stats=stats, engine=engine)
+    return [c.tokens for c in out]
 
 
 def timed_paths(names, run, repeats, device):
