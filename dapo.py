@@ -162,15 +162,16 @@ def gpg_advantages(rewards, group_size, reduce=None) -> torch.Tensor:
 
 
 def reinforce_baseline_advantages(rewards, group_size, lengths, reduce=None,
-                                  eps: float = 1e-6) -> torch.Tensor:
+                                  eps: float = 1e-8) -> torch.Tensor:
     """REINFORCE++-baseline (Hu 2025, arXiv 2501.03262), normalised as its authors' code does
     (OpenRLHF; verl's compute_rf_baseline_outcome_advantage): each reward minus its group's mean,
     given to every token of its reply, then whitened over every loss token of the batch:
 
         c_i = r_i - mean_{group(i)}(r)           (0 in an all-equal group; a group of one keeps
                                                   r_i: the batch mean below is its baseline)
-        A_i = (c_i - mu) / (sigma + eps),  mu = sum_i L_i c_i / sum_i L_i,
+        A_i = (c_i - mu) / sqrt(sigma^2 + eps),  mu = sum_i L_i c_i / sum_i L_i,
               sigma^2 = sum_i L_i (c_i - mu)^2 / (sum_i L_i - 1)          (unbiased)
+        eps = 1e-8, verl_F.masked_whiten's (verl's epsilon argument of 1e-6 goes unused there)
 
     A long reply weighs more, and the advantages' mean over samples is not 0. lengths (N,): each
     row's loss tokens (0: a row that reaches no loss). reduce: adds the batch's token `moments`
@@ -208,9 +209,9 @@ def moments(values) -> torch.Tensor:
                         values.sum(), (values * values).sum()])
 
 
-def whiten(values, batch_moments=None, eps: float = 1e-6, center: bool = False) -> torch.Tensor:
-    """values / (std + eps), std the unbiased standard deviation over the whole batch; with
-    `center`, (values - mean) / (std + eps) (REINFORCE++'s normalisation).
+def whiten(values, batch_moments=None, eps: float = 1e-8, center: bool = False) -> torch.Tensor:
+    """values / sqrt(var + eps), var the unbiased variance over the whole batch; with `center`,
+    (values - mean) / sqrt(var + eps) (REINFORCE++'s normalisation, verl's masked_whiten).
 
     `batch_moments`: `moments` of the whole batch (count, sum, sum of squares; of tokens, when
     each value stands for several), e.g. summed over ranks (then every rank divides by the same
@@ -221,8 +222,10 @@ def whiten(values, batch_moments=None, eps: float = 1e-6, center: bool = False) 
                                   else torch.as_tensor(batch_moments, dtype=torch.float64)).tolist()
     if count < 2:
         return values
+    # verl_F.masked_whiten: (x - mean) * rsqrt(var + 1e-8), var = sum (x - mean)^2 / (n - 1)
+    # (masked_var, unbiased). Its masked_mean divides by n + 1e-8: a relative 1e-8 / n, left out.
     variance = max(0.0, (square_total - total * total / count) / (count - 1))
-    return (values - total / count * center) / (math.sqrt(variance) + eps)
+    return (values - total / count * center) / math.sqrt(variance + eps)
 
 
 def kl_penalised_returns(reward: float, kl, beta: float, gamma: float = 1.0) -> torch.Tensor:
@@ -232,9 +235,11 @@ def kl_penalised_returns(reward: float, kl, beta: float, gamma: float = 1.0) -> 
         r_t = I(t = T) r(x, y) - beta KL_t,   KL_t = log pi_old(o_t) - log pi_ref(o_t)   (k1)
         G_t = sum_{s >= t} gamma^(s - t) r_s      (gamma 1: r(x, y) - beta sum_{s >= t} KL_s)
 
-    kl: (T,) per token -> (T,) fp64 returns (normalise them over the batch with `whiten(...,
-    center=True)`)."""
+    kl: (T,) per token -> (T,) fp64 returns, empty for T = 0 (normalise them over the batch with
+    `whiten(..., center=True)`)."""
     kl = torch.as_tensor(kl, dtype=torch.float64)
+    if kl.numel() == 0:  # a reply of no tokens has no last token to carry r(x, y): no returns
+        return torch.zeros(0, dtype=torch.float64)
     if gamma == 1.0:
         to_the_end = torch.flip(torch.cumsum(torch.flip(kl, [0]), 0), [0])  # (T,) sum_{s >= t}
         return reward - beta * to_the_end

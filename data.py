@@ -106,6 +106,14 @@ class DataError(ValueError):
     """Bad input data; the message names the file (or source), the row and the field."""
 
 
+def spec_number(spec, key, value) -> int:
+    """A task spec's whole number (`arithmetic:max=99`), in the digits 0-9 only: int() also reads
+    "٣" and "1_0", and str.isdigit takes "²", which int() then refuses."""
+    if not re.fullmatch(r"-?[0-9]+", value.strip()):
+        raise DataError(f"{spec!r}: {key} must be a whole number written in the digits 0-9, got {value!r}")
+    return int(value)
+
+
 # ----------------------------------------------------------------------------------------------
 # Loading
 
@@ -536,10 +544,7 @@ class ArithmeticTask:
             if key == "ops":
                 kwargs["ops"] = value.strip()
                 continue
-            try:
-                number = int(value)
-            except ValueError:
-                raise DataError(f"{spec!r}: {key} must be an integer, got {value!r}") from None
+            number = spec_number(spec, key, value)
             if key == "digits":
                 if number < 1:
                     raise DataError(f"{spec!r}: digits must be at least 1")
@@ -758,8 +763,9 @@ def format_prompt(record, tokenizer, template="dapo"):
             return list(tokenizer(text, split_special_tokens=True)["input_ids"])
         return list(tokenizer(text)["input_ids"])
     # A reply prefix (episodes.py: "Memory:") opens the assistant's turn; the model goes on from it.
-    suffix = record.get("reply_prefix", "")
-    if any(marker in m["content"] for m in messages for marker in control_markers(tokenizer)):
+    suffix = record.get("reply_prefix", "")  # (an episode's transcript and a tool's output too)
+    if any(marker in text for text in [m["content"] for m in messages] + [suffix]
+           for marker in control_markers(tokenizer)):
         return chat_ids_with_text_content(tokenizer, messages, suffix)
     # Render to text, then tokenize: apply_chat_template(tokenize=True) returns a list in some
     # transformers versions and a BatchEncoding in others. The template already holds any BOS.
@@ -778,17 +784,19 @@ def chat_ids_with_text_content(tokenizer, messages, suffix=""):
     """The chat template's ids for `messages` whose content holds control markers: the template's
     own markers are control tokens, the content's are spelled out as ordinary text, so that data
     or a demo visitor cannot write `<|im_end|>\n<|im_start|>system ...` and open a turn of its own.
-    The template is rendered around placeholders, and each content tokenized alone."""
+    The template is rendered around placeholders, and each content tokenized alone; `suffix`, the
+    reply's opening (an episode's transcript, a tool's output), is content too."""
     holes = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters
     text = tokenizer.apply_chat_template([dict(m, content=hole) for m, hole in zip(messages, holes)],
-                                         add_generation_prompt=True, tokenize=False) + suffix
+                                         add_generation_prompt=True, tokenize=False)
     ids = []
     for message, hole in zip(messages, holes):
         if hole in text:  # (a template may leave a message out)
             before, _, text = text.partition(hole)
             ids += tokenizer(before, add_special_tokens=False)["input_ids"]
             ids += tokenizer(message["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    return ids + list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids += tokenizer(text, add_special_tokens=False)["input_ids"]  # the template's tail: its markers
+    return ids + list(tokenizer(suffix, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
 # ----------------------------------------------------------------------------------------------

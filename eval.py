@@ -38,13 +38,15 @@ the folder holding a model directory: a run's final/ -> the run's directory), or
 for the bundled model or a hub id; and stdout ends with exactly one
 JSON line: model, data, n, k, pass@1, avg@k, pass@k, maj@k, temperature, mean_length, truncated,
 seconds, out, and the other settings. --out is checked before any work: never the --data file,
-an existing file only with --overwrite, a folder that can be written. If the results still cannot
-be written at the end, the summary line comes out all the same (with "out": null), exit code 1.
+an existing file only with --overwrite, a folder that can be written, no other eval.py writing it
+(.<name>.lock beside it while one runs). If the results still cannot be written at the end, the
+summary line comes out all the same (with "out": null), exit code 1.
 
 Tests: python -m pytest tests/test_eval.py -q   (add `-m "not slow"` to skip the bundled-model run)
 """
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -60,7 +62,7 @@ import data
 import rewards
 import rollout
 from engine.speed import keep_freed_memory, pack_linears
-from run import checkpoints, config, launch
+from run import checkpoints, config, launch, runs
 from run.evaluation import DEFAULT_ROWS, evaluate
 from tasks import countdown, episodes
 
@@ -162,6 +164,8 @@ def build_parser():
                            "countdown: 200, memory: 50)")
     what.add_argument("--tools", default="", metavar="NAMES",
                       help="tools the model may call, as train.py --tools: calculator, python")
+    what.add_argument("--unsandboxed-python", action="store_true",
+                      help="as train.py's: --tools python where bubblewrap cannot isolate it")
     what.add_argument("--reward", default="", metavar="FILE.py:FUNCTION",
                       help="judge replies with your own reward function, as train.py --reward "
                            "does: right when it says so (default: the answer checker)")
@@ -243,6 +247,29 @@ def check_out_path(parser, args):
         parser.error(f"argument --out: cannot write in {folder}: {error.strerror or error}")
 
 
+@contextlib.contextmanager
+def claim_out(parser, args):
+    """Holds .<--out's name>.lock beside --out (runs.hold_lock) until the results are written or
+    the run fails, so that a second eval.py given the same --out stops now, not after both
+    evaluated and one run's rows silently replaced the other's. A killed run's lock never blocks."""
+    folder = os.path.dirname(os.path.realpath(args.out))
+    path = os.path.join(folder, f".{os.path.basename(args.out)}.lock")
+    try:
+        handle, holder = runs.hold_lock(path, "eval.py")
+    except OSError as error:
+        parser.error(f"argument --out: cannot write in {folder}: {error.strerror or error}")
+    if handle is None:
+        parser.error(f"argument --out: {args.out} is being written by {holder}: wait for it to finish "
+                     "or pick another --out")
+    try:
+        check_out_path(parser, args)  # again: a run that held the lock until now may have written it
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)  # before letting go: a run that opened it meanwhile makes a new one
+        handle.close()
+
+
 def load_eval_records(parser, args):
     """--data's records, before the model loads; a bad name or file is a usage error."""
     looks_like_path = os.sep in args.data or args.data.endswith(data.FILE_EXTENSIONS)
@@ -293,6 +320,12 @@ def resolve_device(parser, name):
 
 def main(argv=None):
     parser, args = parse_args(argv)
+    with claim_out(parser, args):
+        return run_evaluation(parser, args)
+
+
+def run_evaluation(parser, args):
+    """The evaluation eval.py's command line asks for: checks, model, samples, report."""
     keep_freed_memory()
     template = args.template or data.default_template(args.data)
     max_new_tokens = args.max_new_tokens or default_max_new_tokens(args.data)

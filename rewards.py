@@ -25,7 +25,8 @@ from tasks.verify import (
 )
 
 __all__ = ["rule_reward", "overlong_penalty", "perplexity_penalty", "shaping", "format_reward",
-           "xml_terms", "math_reward", "FORMAT_STYLES", "user_score", "task_reward", "judged_right"]
+           "xml_terms", "math_reward", "FORMAT_STYLES", "user_score", "task_reward", "judged_right",
+           "RewardInterrupt", "RewardTimeout", "RewardStopped", "REWARD_BOUND", "TIME_LIMIT"]
 
 # ---------------------------------------------------------------------------------------------
 # The rule reward (eq. 7)
@@ -269,26 +270,59 @@ def math_reward(response: str, truth, *, correct: float = 1.0, wrong: float = -1
 # The parts this file's terms log; a reward function's own parts take other names.
 RULE_PARTS = ("correct", "accuracy", "extracted", "format", "format_ok", "integer", "xml_count",
               "overlong", "ppl", "efficiency", "error")
+# The largest reward (or part) a function may return, in absolute value: a million times eq. 7's
+# scale, and far below where a step's rewards (float32 tensors, at most 3.4e38) and a group's sums
+# and squares overflow into the inf and NaN that would skip every update.
+REWARD_BOUND = 1e6
+TIME_LIMIT = 60.0  # seconds a call, --reward-timeout's default: a slow judge's answer, not a hang
+
+
+class RewardInterrupt(BaseException):
+    """A reward call ended from outside (launch.UserReward): a BaseException, as KeyboardInterrupt
+    is, so that the function's own `except Exception` (a retry loop around a judge) cannot keep it."""
+
+
+class RewardTimeout(RewardInterrupt):
+    """A reward call that ran past its time limit (--reward-timeout)."""
+
+
+class RewardStopped(RewardInterrupt):
+    """A reward call that a stop signal (Ctrl-C, SIGTERM) ended, or one not made after that."""
+
+
+def _in_bound(value) -> bool:
+    """A number (bools count) within +-REWARD_BOUND; NaN, the infinities and huge ints are not."""
+    if not isinstance(value, (int, float)):
+        return False
+    try:
+        return abs(float(value)) <= REWARD_BOUND  # (NaN compares False)
+    except OverflowError:  # an int beyond any float
+        return False
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 def user_score(function, response: str, row: dict, correct: float = 1.0, wrong: float = -1.0):
     """`function(response, row)` checked: a float, or True / False (right or wrong: `correct` or
     `wrong`, as the rule reward scores), alone or with {name: float} parts logged as
     reward_<name>. -> (value, right, parts): right is the verdict, else a part named "accuracy"
-    > 0, else value >= `correct`. ValueError for a return that is not that, or not finite; the
-    function's own exceptions pass through."""
+    > 0, else value >= `correct`. ValueError for a return that is not that, or not a finite
+    number within +-REWARD_BOUND; the function's own exceptions pass through."""
     out = function(response, row)
     value, parts = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
     if isinstance(value, bool):
         value, verdict = (correct if value else wrong), value
-    elif isinstance(value, (int, float)) and math.isfinite(value):
+    elif _in_bound(value):
         verdict = None
     else:
-        raise ValueError(f"returned {out!r}: expected a finite number or a bool, alone or with "
-                         "{name: number}")
-    if not isinstance(parts, dict) or not all(
-            isinstance(k, str) and isinstance(v, (int, float)) and math.isfinite(v) for k, v in parts.items()):
-        raise ValueError(f"returned parts {parts!r}: expected {{name: finite number}}")
+        raise ValueError(f"returned {_shown(out)}: expected a finite number or a bool, alone or "
+                         f"with {{name: number}}, each number within +-{REWARD_BOUND:,.0f}")
+    if not isinstance(parts, dict) or not all(isinstance(k, str) and _in_bound(v) for k, v in parts.items()):
+        raise ValueError(f"returned parts {_shown(parts)}: expected {{name: finite number}}, each "
+                         f"within +-{REWARD_BOUND:,.0f}")
     right = verdict if verdict is not None else parts["accuracy"] > 0 if "accuracy" in parts \
         else value >= correct
     return float(value), right, {k: float(v) for k, v in parts.items() if k != "accuracy"}
@@ -298,16 +332,17 @@ def task_reward(response: str, record: dict, *, function=None, **options):
     """A reply's reward and its parts: the rule reward on record["answer"] (`math_reward`), or,
     with a reward function (--reward, or a task's own), its score in eq. 7's place, the format
     and shaping terms still on top; the function reads the data row with all its fields. A
-    function that raises, or returns a non-finite value, scores the reply as wrong (`wrong`)
-    with parts["error"] = 1: counted in the log, never a crash. -> (reward, parts)"""
+    function that raises (RewardInterrupt included), or returns a value out of bounds, scores the
+    reply as wrong (`wrong`) with parts["error"] = 1: counted in the log, never a crash.
+    -> (reward, parts)"""
     if function is None:
         return math_reward(response, record["answer"], **options)
     try:
         value, right, named = user_score(function, response, record.get("fields", record),
                                          options.get("correct", 1.0), options.get("wrong", -1.0))
         named["error"] = 0.0
-    except Exception as error:  # the user's code: any exception, as the one line it is
-        _report_once(function, error)
+    except (Exception, RewardInterrupt) as error:  # the user's code: any exception, one line
+        _report_once(function, error, "score as wrong, counted in metrics.jsonl's reward_error")
         value, right, named = options.get("wrong", -1.0), False, {"error": 1.0}
     total, parts = math_reward(response, None, score=(value, right), **options)
     return total, {**parts, **named}
@@ -315,21 +350,22 @@ def task_reward(response: str, record: dict, *, function=None, **options):
 
 def judged_right(function, response: str, record: dict, correct: float = 1.0) -> bool:
     """Held-out accuracy under a reward function: whether it counts the reply as right (one that
-    raises or returns nonsense: not right)."""
+    raises or returns nonsense: not right, said once on stderr)."""
     try:
         return user_score(function, response, record.get("fields", record), correct)[1]
-    except Exception:
+    except (Exception, RewardInterrupt) as error:
+        _report_once(function, error, "are judged not right")
         return False
 
 
-_REPORTED = set()  # the reward functions whose first failure was printed
+_REPORTED = set()  # (function, kind of failure) already said
 
 
-def _report_once(function, error):
-    """A reward function's first failure in this process, on stderr (later ones are counted in
-    reward_error only)."""
-    if function not in _REPORTED:
-        _REPORTED.add(function)
+def _report_once(function, error, scored):
+    """A reward function's first failure of each kind in this process (its time limit, a stop
+    signal, anything else), on stderr; later ones are counted in reward_error only."""
+    key = (function, type(error) if isinstance(error, RewardInterrupt) else Exception)
+    if key not in _REPORTED:
+        _REPORTED.add(key)
         print(f"--reward {getattr(function, '__name__', function)} failed on a reply "
-              f"({type(error).__name__}: {error}); such replies score as wrong, counted in "
-              "metrics.jsonl's reward_error", file=sys.stderr, flush=True)
+              f"({type(error).__name__}: {error}); such replies {scored}", file=sys.stderr, flush=True)

@@ -348,7 +348,7 @@ class MicroBatch:
     replay: torch.Tensor      # (b, P+C, L, k) the sampler's experts (--routing-replay), or None
     aux_weight: float         # this micro-batch's share of the router loss (stand-ins: 0)
     weight_scale: float       # 1 / the step's mean rollout weight (--tis-normalize), else 1
-    rejected: float           # the loss tokens --tis-reject took out of `mask`
+    unrejected: torch.Tensor  # (b, C) the loss tokens before --tis-reject took some out of `mask`
 
 
 def update(run, batch, step=0):
@@ -446,7 +446,7 @@ def policy_micro_batches(run, batch, rows, first_group, weight_scale=1.0):
                                    run.policy.config, device) if run.args.routing_replay else None,
             # the router loss: a mean over the micro-batches of every rank (stand-ins: none)
             aux_weight=0.0 if rollouts is STAND_IN else 1.0 / (count * run.world),
-            weight_scale=weight_scale, rejected=float(unrejected.sum() - mask.sum())))
+            weight_scale=weight_scale, unrejected=unrejected))
     return out
 
 
@@ -521,7 +521,8 @@ def main(argv=None):
             evaluation.evaluate_and_log(run, progress)
     except KeyboardInterrupt:
         raise launch.interrupted_before_steps(args) from None
-    with launch.StopRequest() as stop, run.tracker:  # signals: at the end of a step, checkpointed
+    # Signals: at the end of a step, checkpointed; a --reward call under way ends (UserReward.stop).
+    with launch.StopRequest(getattr(run.reward_function, "stop", None)) as stop, run.tracker:
         progress, ended = train_steps(run, progress, stop)
         if ended == "stopped":  # not finished: no final/, an exit status that says so
             if run.rank == 0:
@@ -552,14 +553,17 @@ def train_steps(run, progress, stop):
         by_steps = args.checkpoint_every and progress.step % args.checkpoint_every == 0
         flags = reduce_metrics({}, {
             "over_time": float(progress.train_seconds > limit), "stop": float(stop.signum is not None),
-            "save_due": float(bool(by_time or by_steps))})
+            "save_due": float(bool(by_time or by_steps)),
+            "reward_stopped": float(getattr(run.reward_function, "stopped", False))})
         over_time, stopping = flags["over_time"] > 0, flags["stop"] > 0
         if args.bench:  # seconds per part of the step, nothing written
             launch.print_seconds(progress.step, row)
             continue
         if writes:  # metrics.jsonl, samples.jsonl, the bar
             launch.log_step(run, progress, row, examples, bar, watch)
-        if run.heldout and args.eval_every and progress.step % args.eval_every == 0:
+        # (not once a stop signal ended --reward's calls: every held-out reply would score wrong)
+        if run.heldout and args.eval_every and progress.step % args.eval_every == 0 \
+                and not flags["reward_stopped"]:
             evaluation.evaluate_and_log(run, progress)  # every rank: its share of the problems
         if flags["save_due"] or over_time or stopping or progress.step == args.steps:
             launch.save_checkpoint(run, progress)

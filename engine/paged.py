@@ -217,7 +217,7 @@ def default_kv_budget(model, prompts, counts, max_new_tokens, block_size, rows=N
     working = decode_working_bytes(cfg, rows, positions=max(longest) * block_size,  # a layer's
                                    width=model.dtype.itemsize, draw=draw)  # gather, or the draw
     ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")  # (torchrun's; anything else: one rank)
-    ranks = int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1
+    ranks = int(ranks) if ranks.isascii() and ranks.isdigit() and int(ranks) > 0 else 1
     room = HOST_SHARE * max(0, free - working) / ranks
     if need + gathered <= room:
         return None

@@ -183,10 +183,16 @@ def reward_flags(g):
                    help="tools the model may call in an episode, comma-separated: calculator "
                         "(<calc>...</calc>), python (<python>...</python>, sandboxed); their "
                         "output is never trained on (tools.py)")
+    g.add_argument("--unsandboxed-python", action="store_true",
+                   help="let --tools python run where bubblewrap cannot isolate it: the model's "
+                        "code can then read your files and this process's environment")
     g.add_argument("--reward", default="", metavar="FILE.py:FUNCTION",
                    help="your own reward in place of the rule reward: function(reply, row) -> "
                         "float or (float, {part: float}), row the data row with all its fields; "
                         "also MODULE:FUNCTION (README: your own task)")
+    g.add_argument("--reward-timeout", type=float, default=rewards.TIME_LIMIT, metavar="SECONDS",
+                   help="--reward's time limit a call: a reply not scored by then scores as wrong, "
+                        "counted in reward_error (0: none)")
     g.add_argument("--correct-reward", type=float, default=1.0,
                    help="reward of a right answer (with --reward: the score that counts as right)")
     g.add_argument("--wrong-reward", type=float, default=-1.0, help="reward of a wrong answer")
@@ -343,6 +349,7 @@ def refuse_inert_flags(args, explicit, parser):
             "sapo_tau_neg": ("--objective sapo", args.objective == "sapo"),
             "reward_kl_coef": ("--adv-estimator reinforce_pp", args.adv_estimator == "reinforce_pp"),
             "gamma": ("--adv-estimator reinforce_pp", args.adv_estimator == "reinforce_pp"),
+            "reward_timeout": ("--reward", bool(args.reward)),  # (a task's own reward is ours)
             # the clip range: the clipped objectives' (KL-Cov and SAPO have none)
             "eps_low": ("a clipped --objective", args.objective not in ("kl-cov", "sapo")),
             "eps_high": ("a clipped --objective", args.objective not in ("kl-cov", "sapo"))}
@@ -385,7 +392,7 @@ POSITIVE_FLOATS = ["lora_alpha", "temperature", "overlong_cache", "eval_temperat
 NONNEGATIVE_FLOATS = ["time_limit", "checkpoint_minutes", "format_weight", "ppl_threshold", "efficiency_weight",
                       "eps_high", "entropy_coef", "kl_coef", "gkl_alpha", "gkl_beta",
                       "weight_decay", "tis_cap", "tis_floor", "tis_reject_bound", "router_aux_coef",
-                      "kl_cov_coef", "reward_kl_coef", "kv_budget", "plan_only"]
+                      "kl_cov_coef", "reward_kl_coef", "kv_budget", "plan_only", "reward_timeout"]
 OTHER_FLOATS = ["gamma", "correct_reward", "wrong_reward", "eps_low", "clip_c", "top_p", "eval_top_p",
                 "curriculum", "high_entropy_fraction", "clip_cov_low", "clip_cov_high"]
 
@@ -646,6 +653,14 @@ def check_tools(args, parser):
     if "python" in names and not tools.can_sandbox():
         parser.error("--tools python: this platform has no resource limits (Python's resource "
                      "module) to sandbox it; use --tools calculator")
+    if "python" in names and tools.isolation() is None and not args.unsandboxed_python:
+        parser.error("--tools python: bubblewrap cannot isolate the tool on this machine (install "
+                     "it: apt install bubblewrap; a container must allow user namespaces). Without "
+                     "it the model's code could read your files and the trainer's environment "
+                     "(API keys); --unsandboxed-python runs it anyway under an audit hook")
+    if "python" in names and tools.isolation() is None:
+        print("--tools python: NOT isolated (--unsandboxed-python): the model's code runs as you, "
+              "under an audit hook only", file=sys.stderr, flush=True)
     if names and str(args.data).startswith("memory"):
         parser.error("--tools: the memory task's turns are pages; tools act in one-turn tasks")
 

@@ -31,11 +31,10 @@ from safetensors import SafetensorError
 
 import data
 import rewards
-from engine import paged
 from engine.speed import compile_blocks, expandable_cuda_segments, keep_freed_memory, pack_linears
-from model import PagedKVCache, Transformer
+from model import Transformer
 from rollout import line_break_ids, stop_token_ids
-from run import checkpoints, config, evaluation, memory_plan, runs, sharding, tracking
+from run import checkpoints, config, evaluation, memory_plan, metrics, runs, sharding, tracking
 from run.checkpoints import load_model, save_model
 from run.distributed import from_rank0, gather, setup_distributed
 from tasks import countdown, episodes
@@ -87,11 +86,13 @@ class StopRequest:
     end of the step under way, with a checkpoint; the same signal again, REPEAT_SECONDS or more
     later, stops it at once (the last checkpoint stays whole: checkpoints are written aside, then
     renamed). A repeat sooner is the same request: under torchrun a scheduler that signals every
-    process of the job reaches a rank twice, directly and forwarded by torchrun."""
+    process of the job reaches a rank twice, directly and forwarded by torchrun. `on_stop` is
+    called last on a request, inside whatever runs: UserReward.stop, which ends a --reward call
+    under way (one that hangs would hold back the step, and the checkpoint, for ever)."""
     REPEAT_SECONDS = 2.0
 
-    def __init__(self):
-        self.signum, self.before, self.asked_at = None, {}, None
+    def __init__(self, on_stop=None):
+        self.signum, self.before, self.asked_at, self.on_stop = None, {}, None, on_stop
         if threading.current_thread() is threading.main_thread():  # (signals reach it alone)
             self.before = {signum: signal.signal(signum, self.ask)
                            for signum in (signal.SIGTERM, signal.SIGINT)}
@@ -115,6 +116,8 @@ class StopRequest:
         print(f"\n{signal.Signals(signum).name}: stopping at the end of this step, with a checkpoint "
               f"(the same signal again, {self.REPEAT_SECONDS:g} s or more later, stops at once)",
               file=sys.stderr, flush=True)
+        if self.on_stop is not None:
+            self.on_stop()  # (may raise, into the reward call it ends)
 
 
 def interrupted_before_steps(args):
@@ -182,7 +185,7 @@ def setup(args):
     bf16 = config.uses_bf16(args, device.type == "cuda")
     if capacity or args.kv_budget:
         longest_prompt = data.longest_prompt(source, tokenizer, args.template)  # None: in turns
-        refuse_small_kv_budget(args, model_config, longest_prompt, bf16)  # (named before the plan)
+        memory_plan.refuse_small_kv_budget(args, model_config, longest_prompt, bf16)  # (named before the plan)
         if capacity:
             memory_plan.check_before_loading(args, model_config, longest_prompt, world, capacity, rank)
     try:
@@ -211,23 +214,6 @@ def setup(args):
         reward_function=reward_function, reward_parts=tuple(reward_parts))
 
 
-def refuse_small_kv_budget(args, cfg, longest_prompt, bf16):
-    """A --kv-budget that cannot hold one row at its longest (the data's longest prompt as
-    data.longest_prompt estimates it, and --max-new-tokens, in the sampler's dtype) stops the run
-    here, before any weight loads, with the arithmetic: every rollout would refuse it. (A longer
-    prompt than the estimate is still refused by the rollout that meets it.)"""
-    if not args.kv_budget or longest_prompt is None:
-        return
-    block_size = paged.EngineOptions.block_size
-    sampler_dtype = torch.bfloat16 if bf16 and (args.fsdp or not args.lora_rank) else torch.float32
-    block_bytes = PagedKVCache.bytes_per_block(cfg, block_size, sampler_dtype)
-    why = paged.unfit(longest_prompt, args.max_new_tokens, block_size, block_bytes,
-                      int(args.kv_budget * 2**30 // block_bytes))
-    if why:
-        sys.exit(f"train.py: --kv-budget {args.kv_budget:g} GiB: {why}: raise --kv-budget, or "
-                 f"lower --max-new-tokens")
-
-
 def task_reward_function(args, source):
     """--reward's function, checked on the first training row; else the task's own (Countdown's)
     or None, the rule reward. -> (function or None, the names of its parts)"""
@@ -235,15 +221,17 @@ def task_reward_function(args, source):
     if not args.reward:
         function = getattr(source, "reward_function", None)
         return function, sorted(rewards.user_score(function, "", first)[2]) if function else []
-    return checked_reward_function(args.reward, first, args.data)
+    return checked_reward_function(args.reward, first, args.data, args.reward_timeout)
 
 
 def load_reward_function(spec: str):
     """The function `spec` names: FILE.py:FUNCTION (a path) or MODULE:FUNCTION (importable).
-    ValueError with one line naming what is wrong, the module's own error included."""
+    ValueError with one line naming what is wrong, the module's own error included. A module
+    that moves the working directory as it loads moves no path of the run: it is put back."""
     target, colon, name = str(spec).rpartition(":")
     if not colon or not target or not name.isidentifier():
         raise ValueError(f"--reward {spec!r}: expected FILE.py:FUNCTION or MODULE:FUNCTION")
+    here = os.getcwd()
     try:
         if target.endswith(".py"):
             if not os.path.isfile(target):
@@ -259,28 +247,99 @@ def load_reward_function(spec: str):
     except BaseException as error:  # a syntax error or a raise at import: its own words, one line
         raise ValueError(f"--reward {spec}: {target} failed to load: {type(error).__name__}: "
                          f"{error}") from None
+    finally:
+        os.chdir(here)
     function = getattr(module, name, None)
     if not callable(function):
         raise ValueError(f"--reward {spec}: {target} has no function {name!r}")
     return function
 
 
-def checked_reward_function(spec: str, record: dict, source: str):
+def checked_reward_function(spec: str, record: dict, source: str, seconds: float = rewards.TIME_LIMIT):
     """--reward's function, loaded and called once on `record` (the first data row) with the
     reply "Answer: <its answer>", before any weight loads: a broken one is one line naming the
-    function, the row and the exception. -> (function, the names of its parts)"""
-    function = load_reward_function(spec)
+    function, the row and the exception. Each call is limited to `seconds` (--reward-timeout; 0:
+    none). -> (the function as a UserReward, the names of its parts)"""
+    function = UserReward(load_reward_function(spec), seconds)
     where = f"--reward {spec}: on row {record.get('row', 1)} of {source}"
     try:
         _, _, parts = rewards.user_score(function, f"Answer: {record.get('answer', '')}",
                                          record.get("fields", record))
-    except Exception as error:
+    except (Exception, rewards.RewardInterrupt) as error:
         raise ValueError(f"{where}: {type(error).__name__}: {error}") from None
     clash = sorted(set(parts) & set(rewards.RULE_PARTS))
     if clash:
         raise ValueError(f"{where}: parts {clash} share names with the rule reward's terms "
                          f"({', '.join(rewards.RULE_PARTS)}): rename them")
     return function, sorted(parts)
+
+
+class UserReward:
+    """--reward's function as the run calls it, `function(reply, row)`:
+    - on its own deep copy of `row`: the replies of a prompt share one record, and a function that
+      wrote into it would change what the next reply is scored on;
+    - with the working directory put back after it, so that a function that calls os.chdir moves
+      none of the run's relative paths (--out, --model, the logs). Put back rather than the run's
+      paths made absolute: every relative path of the process keeps its meaning, not only those
+      we resolve, and the run's messages show --out as it was typed;
+    - limited to `seconds` a call (0: none): SIGALRM raises rewards.RewardTimeout inside it, which
+      ends a Python loop, a time.sleep or a socket's wait; a C call that never returns to the
+      interpreter is not interrupted. Only the main thread receives signals: off it, no limit.
+    `stop()`, from a stop signal's handler (StopRequest), ends the call under way."""
+
+    def __init__(self, function, seconds: float):
+        self.function, self.seconds = function, float(seconds)
+        self.__name__ = getattr(function, "__name__", repr(function))
+        self.calling = False  # a call under way on the main thread
+        self.stop_asked = False  # a stop signal came (StopRequest)
+        self.stopped = False  # since then a call was ended: the later ones are not made
+        self.said_thread = False
+
+    def __call__(self, reply, row):
+        if self.stopped:
+            raise rewards.RewardStopped("not made: a stop signal ended an earlier call")
+        here, row = os.getcwd(), copy.deepcopy(row)
+        try:
+            if threading.current_thread() is threading.main_thread():
+                return self.timed(reply, row)
+            if self.seconds and not self.said_thread:
+                self.said_thread = True
+                print(f"--reward {self.__name__} is called off the main thread, which alone receives "
+                      "signals: no --reward-timeout there", file=sys.stderr, flush=True)
+            return self.function(reply, row)
+        finally:
+            os.chdir(here)
+
+    def timed(self, reply, row):
+        """The call on the main thread, with SIGALRM set for `seconds` (if any), then unset."""
+        timed = self.seconds > 0 and hasattr(signal, "setitimer")
+        if timed:
+            before = signal.signal(signal.SIGALRM, self.expire)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        self.calling = True
+        try:
+            return self.function(reply, row)
+        finally:
+            self.calling = False
+            if timed:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, signal.SIG_DFL if before is None else before)
+
+    def expire(self, signum, frame):
+        if self.calling:  # (not in the instant after the call returned, before the timer is off)
+            self.stopped = self.stop_asked  # hung while the run is stopping: make no more calls
+            raise rewards.RewardTimeout(f"no result within --reward-timeout {self.seconds:g} s")
+
+    def stop(self):
+        """Called by a stop signal's handler, on the main thread inside whatever runs: a call under
+        way ends in RewardStopped, and so, at once, do the calls after it (the step's other replies
+        score as errors), so that a reward that hangs cannot hold back the checkpoint promised (nor
+        can one that hangs later, once past its time limit). A healthy reward's step is untouched."""
+        self.stop_asked = True
+        if self.calling:
+            self.calling, self.stopped = False, True
+            raise rewards.RewardStopped("a stop signal (Ctrl-C or SIGTERM) ended this call; the later "
+                                        "ones are not made, so that the step ends and the checkpoint comes")
 
 
 def refuse_mismatches(args, model_config):
@@ -555,9 +614,9 @@ def log_step(run, progress, row, examples, bar, watch):
         row = {**row, "warnings": said}
         for text in said:
             bar.write(f"warning: {text}", file=sys.stderr)
-    runs.append_log(run.args.out, "metrics.jsonl", row)
+    metrics.append_log(run.args.out, "metrics.jsonl", row)
     for line in examples:
-        runs.append_log(run.args.out, "samples.jsonl", line)
+        metrics.append_log(run.args.out, "samples.jsonl", line)
     run.tracker.log(row, row["step"])
     run.tracker.log_samples(examples, row["step"])
     bar.update(1)

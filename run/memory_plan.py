@@ -44,13 +44,14 @@ checks each term against what the CPU allocates for tiny models.
 """
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
 
 from engine.paged import (EngineOptions, decode_attention_bytes, decode_working_bytes, draw_bytes,
-                          gathered_bytes, padded)
-from model import ModelConfig, Transformer
+                          gathered_bytes, padded, unfit)
+from model import ModelConfig, PagedKVCache, Transformer
 from run import config
 
 GIB = 2 ** 30
@@ -339,7 +340,7 @@ def plan_only(args, load_data) -> int:
     import data
     from run import checkpoints
     world, rank = os.environ.get("WORLD_SIZE", "1"), int(os.environ.get("RANK", "0"))
-    if not world.isdigit() or int(world) < 1:
+    if not (world.isascii() and world.isdigit()) or int(world) < 1:
         raise SystemExit(f"train.py: --plan-only plans for WORLD_SIZE ranks: a whole number >= 1, "
                          f"got {world!r}")
     world = int(world)
@@ -366,11 +367,29 @@ def plan_only(args, load_data) -> int:
         device_capacity(torch.device("cuda")) if cuda else None
     terms, longest_row, bf16 = for_run(args, cfg, world=world, distributed="RANK" in os.environ or world > 1,
                                        cuda=cuda, longest_prompt=longest, capacity=capacity)
+    refuse_small_kv_budget(args, cfg, longest, bf16)  # as the run itself refuses it, by name
     why = refusal(terms, longest_row, cfg, bf16, capacity) if capacity else None
     if rank == 0:
         print(heading(world, capacity, longest_row, note) + "\n" + describe(terms) + "\n"
               + (why or ("fits" if capacity else "")), flush=True)
     return 1 if why else 0
+
+
+def refuse_small_kv_budget(args, cfg, longest_prompt, bf16):
+    """A --kv-budget that cannot hold one row at its longest (the data's longest prompt as
+    data.longest_prompt estimates it, and --max-new-tokens, in the sampler's dtype) stops the run
+    here, before any weight loads, with the arithmetic: every rollout would refuse it. (A longer
+    prompt than the estimate is still refused by the rollout that meets it.)"""
+    if not args.kv_budget or longest_prompt is None:
+        return
+    block_size = EngineOptions.block_size
+    sampler_dtype = torch.bfloat16 if bf16 and (args.fsdp or not args.lora_rank) else torch.float32
+    block_bytes = PagedKVCache.bytes_per_block(cfg, block_size, sampler_dtype)
+    why = unfit(longest_prompt, args.max_new_tokens, block_size, block_bytes,
+                      int(args.kv_budget * 2**30 // block_bytes))
+    if why:
+        sys.exit(f"train.py: --kv-budget {args.kv_budget:g} GiB: {why}: raise --kv-budget, or "
+                 f"lower --max-new-tokens")
 
 
 def heading(world, capacity, longest_row, note="") -> str:

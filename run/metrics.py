@@ -6,10 +6,11 @@ would weight a rank with fewer samples as much. The row divides them once, by th
 (samples, turns, loss tokens, updates).
 """
 
+import math
 import statistics
 
 import dapo
-from run import config
+from run import config, runs
 from run.distributed import gather, reduce_metrics
 from variants import token_choice
 
@@ -106,6 +107,24 @@ def step_metrics(run, progress, collected, done, update_sums, update_maxima, sec
     return row
 
 
+def strict_json(value):
+    """`value` with every non-finite float (NaN, +-inf) as None, in dicts and lists at any depth:
+    a line of strict JSON. json.dumps writes NaN and -Infinity, which are not JSON: jq, browsers
+    and most readers other than Python's refuse the whole file."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict_json(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def append_log(out, name, row):
+    """A line of metrics.jsonl, samples.jsonl or eval.jsonl, strict JSON (`strict_json`)."""
+    runs.append_log(out, name, strict_json(row))
+
+
 class Watch:
     """Warnings that save a silent run (the failure users report most: a run that learns nothing
     while its numbers are logged all the same). Each is said once, on the console and in that
@@ -116,14 +135,17 @@ class Watch:
         """history: the rows logged before a --resume, replayed in silence, so that a resumed run
         warns where the run straight through would."""
         self.args, self.expects = args, expects  # expects: the answer the reward reads, in words
-        self.streaks, self.said = {}, set()
+        self.streaks, self.said, self.updates = {}, set(), 0  # updates: made by the last row
         for row in history:
             self.check(row, [])
 
     def check(self, row, examples):
         """The warnings this step's row (and its sample lines) completes. -> list of str"""
         holds = {"truncated": row["truncated"] > 0.5, "no_signal": row.get("groups_with_signal") == 0,
-                 "no_answer": row.get("reward_extracted", 1.0) == 0 and not self.args.reward}
+                 "no_answer": row.get("reward_extracted", 1.0) == 0 and not self.args.reward,
+                 # every update of the step skipped: some, and the count made did not move
+                 "skipped": row.get("skipped_updates", 0) > 0 and row.get("updates") == self.updates}
+        self.updates = row.get("updates", self.updates)
         out = []
         for name, now in holds.items():
             self.streaks[name] = self.streaks.get(name, 0) + 1 if now else 0
@@ -145,6 +167,11 @@ class Watch:
                     f"same, so every advantage is 0). Likely causes: the template ({args.template}) "
                     f"is not the model's chat format; the replies do not give {self.expects}; "
                     f"{cold}the task is too hard or too easy for the model")
+        if name == "skipped":
+            return (f"every update was skipped {steps} (a non-finite loss or gradient): the model "
+                    f"has not changed since. Likely causes: rewards too large to add up (see reward "
+                    f"in metrics.jsonl; --correct-reward {args.correct_reward:g} and --wrong-reward "
+                    f"{args.wrong_reward:g} set the rule reward's), or --lr {args.lr:g} too high")
         one = next((line["completion"] for line in examples), None)
         return (f"no reply gave an answer the reward can read {steps}: it wants {self.expects}"
                 + (f"; one reply: {one[:200]!r}" if one is not None else ""))

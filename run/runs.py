@@ -15,8 +15,8 @@ one, which is kept as checkpoint-previous.pt: a crash at any moment leaves a com
 and a damaged newest one is passed over for the one before, with a warning. On resume, the log
 lines written after the checkpoint are dropped (those steps run again), so a resumed run's logs
 equal a run never stopped; a line that cannot be read is kept in LOG.unreadable, never deleted.
-One process writes a run at a time: `lock` refuses a second one. Imports only torch and the
-standard library.
+One process writes a run at a time: `lock` refuses a second one (eval.py's --out, `hold_lock`).
+Imports only torch and the standard library.
 """
 
 import errno
@@ -69,29 +69,46 @@ def create(run_dir):
         raise RunError(f"--out {run_dir}: cannot make it: {error.strerror or error}") from None
 
 
+def hold_lock(path, program):
+    """An exclusive lock on the file `path` (made if missing), held while the returned file stays
+    open or the process lives (the system releases it when the process ends, killed or not: a
+    stale file never blocks), with who holds it written there. -> (the open file, None), or
+    (None, who holds it) when another process does; OSError when the file cannot be opened."""
+    while True:
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            return None, holder
+        try:  # still the file at `path`? Not when its last holder removed it on release: again
+            if os.path.samestat(os.fstat(handle.fileno()), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        handle.close()
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{program}, pid {os.getpid()} on {socket.gethostname()}, since "
+                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    return handle, None
+
+
 def lock(run_dir):
-    """Takes run_dir/run.lock for as long as this process lives (the system releases it when the
-    process ends, killed or not) and writes who holds it. -> the open file: keep a reference.
-    RunError naming the holder when another process writes this run."""
+    """Takes run_dir/run.lock (hold_lock) for as long as this process lives. -> the open file:
+    keep a reference. RunError naming the holder when another process writes this run."""
     try:
-        handle = open(os.path.join(run_dir, "run.lock"), "a+")
+        handle, holder = hold_lock(os.path.join(run_dir, "run.lock"), "train.py")
     except OSError as error:  # a read-only file system, another user's run
         raise RunError(f"{run_dir}: cannot write there ({error.strerror or error}); a run resumes "
                        "where it can write: copy it (cp -r) to a writable place and resume the "
                        "copy") from None
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
+    if handle is None:
         raise RunError(f"{run_dir} is being written by {holder}: wait for it to finish (or stop "
-                       "it) before resuming; two writers would corrupt the run") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"train.py, pid {os.getpid()} on {socket.gethostname()}, since "
-                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    handle.flush()
+                       "it) before resuming; two writers would corrupt the run")
     return handle
 
 

@@ -15,7 +15,7 @@ import random
 from collections import Counter
 from fractions import Fraction
 
-from data import HELDOUT_EVERY, DataError, in_heldout_split
+from data import HELDOUT_EVERY, DataError, in_heldout_split, spec_number
 from tasks.verify import arithmetic_value, extract_answer
 
 
@@ -68,10 +68,10 @@ class CountdownTask:
         kwargs = {}
         for item in filter(None, options.split(",")):
             key, eq, value = (part.strip() for part in item.partition("="))
-            if not eq or key not in cls.SPEC_KEYS or not value.isdigit():
+            if not eq or key not in cls.SPEC_KEYS:
                 raise DataError(f"{spec!r}: bad option {item!r}; use key=integer with keys "
                                 f"{', '.join(cls.SPEC_KEYS)}")
-            kwargs[{"numbers": "count", "max": "max_value"}[key]] = int(value)
+            kwargs[{"numbers": "count", "max": "max_value"}[key]] = spec_number(spec, key, value)
         return cls(**kwargs)
 
     def spec(self):

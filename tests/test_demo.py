@@ -121,6 +121,15 @@ def chromium():
 
 
 @pytest.fixture(scope="module")
+def browser():
+    """chromium(), shared by the browser tests; named before `page` in a test's arguments, so a
+    reader without selenium gets the skip before any model is built or any server starts."""
+    driver = chromium()
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
 def page(models):
     """demo.py serving the two tiny models, as a user starts it: -> its address."""
     trained, base = models
@@ -135,43 +144,39 @@ def page(models):
 
 
 @pytest.mark.slow
-def test_a_typed_problem_gets_both_answers_and_a_verdict_in_the_browser(page):
+def test_a_typed_problem_gets_both_answers_and_a_verdict_in_the_browser(browser, page):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
-    browser = chromium()
-    try:
-        browser.get(page)
-        WebDriverWait(browser, 30).until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#problems option")) > 1)
-        assert "trained: " in browser.find_element(By.CSS_SELECTOR, "#trained h3").text
-        browser.find_element(By.ID, "question").send_keys("What is 2 + 3 ?")
-        browser.find_element(By.ID, "reference").send_keys("5")
-        budget = browser.find_element(By.ID, "max_new_tokens")
-        budget.clear()
-        budget.send_keys("6")
-        browser.find_element(By.ID, "go").click()
-        WebDriverWait(browser, 120).until(lambda b: all(
-            b.find_element(By.ID, which).get_attribute("data-state") == "done" for which in ("trained", "base")))
-        for which in ("trained", "base"):
-            assert browser.find_element(By.CSS_SELECTOR, f"#{which} .verdict").text in ("correct", "wrong")
-            assert browser.find_element(By.CSS_SELECTOR, f"#{which} .extracted").text != ""
-        # Picking a held-out problem fills the question and its answer.
-        browser.find_element(By.CSS_SELECTOR, "#problems option:nth-child(2)").click()
-        assert browser.find_element(By.ID, "question").get_attribute("value").strip()
-        assert browser.find_element(By.ID, "reference").get_attribute("value").strip()
-        # Bad input is refused on the page, by name.
-        question = browser.find_element(By.ID, "question")
-        question.clear()
-        browser.execute_script("arguments[0].value = '7'.repeat(2500)", question)
-        browser.find_element(By.ID, "go").click()
-        WebDriverWait(browser, 30).until(lambda b: "at most 2000" in b.find_element(By.ID, "refused").text)
-        question.clear()
-        question.send_keys("What is 1 + 1 ?")
-        browser.find_element(By.ID, "temperature").clear()
-        browser.find_element(By.ID, "temperature").send_keys("hot")
-        browser.find_element(By.ID, "go").click()
-        WebDriverWait(browser, 30).until(lambda b: "temperature must be" in b.find_element(By.ID, "refused").text)
-    finally:
-        browser.quit()
+    browser.get(page)
+    WebDriverWait(browser, 30).until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#problems option")) > 1)
+    assert "trained: " in browser.find_element(By.CSS_SELECTOR, "#trained h3").text
+    browser.find_element(By.ID, "question").send_keys("What is 2 + 3 ?")
+    browser.find_element(By.ID, "reference").send_keys("5")
+    budget = browser.find_element(By.ID, "max_new_tokens")
+    budget.clear()
+    budget.send_keys("6")
+    browser.find_element(By.ID, "go").click()
+    WebDriverWait(browser, 120).until(lambda b: all(
+        b.find_element(By.ID, which).get_attribute("data-state") == "done" for which in ("trained", "base")))
+    for which in ("trained", "base"):
+        assert browser.find_element(By.CSS_SELECTOR, f"#{which} .verdict").text in ("correct", "wrong")
+        assert browser.find_element(By.CSS_SELECTOR, f"#{which} .extracted").text != ""
+    # Picking a held-out problem fills the question and its answer.
+    browser.find_element(By.CSS_SELECTOR, "#problems option:nth-child(2)").click()
+    assert browser.find_element(By.ID, "question").get_attribute("value").strip()
+    assert browser.find_element(By.ID, "reference").get_attribute("value").strip()
+    # Bad input is refused on the page, by name.
+    question = browser.find_element(By.ID, "question")
+    question.clear()
+    browser.execute_script("arguments[0].value = '7'.repeat(2500)", question)
+    browser.find_element(By.ID, "go").click()
+    WebDriverWait(browser, 30).until(lambda b: "at most 2000" in b.find_element(By.ID, "refused").text)
+    question.clear()
+    question.send_keys("What is 1 + 1 ?")
+    browser.find_element(By.ID, "temperature").clear()
+    browser.find_element(By.ID, "temperature").send_keys("hot")
+    browser.find_element(By.ID, "go").click()
+    WebDriverWait(browser, 30).until(lambda b: "temperature must be" in b.find_element(By.ID, "refused").text)
 
 
 def test_the_server_answers_while_the_page_waits(page):
@@ -210,10 +215,9 @@ def test_a_page_from_elsewhere_is_refused():
         server.shutdown()
 
 
-def test_model_text_is_shown_as_text_never_as_markup():
+def test_model_text_is_shown_as_text_never_as_markup(browser):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
-    browser = chromium()
     server = serve_in_thread({"trained": MarkupAnswerer(), "base": MarkupAnswerer()}, [])
     try:
         browser.get(f"http://127.0.0.1:{server.server_address[1]}/")
@@ -227,8 +231,21 @@ def test_model_text_is_shown_as_text_never_as_markup():
         assert not browser.find_elements(By.CSS_SELECTOR, "img, b") and browser.title != "1"
         assert browser.find_element(By.CSS_SELECTOR, "#base .verdict").text == "(no reference to check)"
     finally:
-        browser.quit()
         server.shutdown()
+
+
+def test_the_browser_tests_skip_without_selenium(tmp_path):
+    """A reader who installed requirements.txt alone (no selenium, no pytest-xdist) runs the
+    browser tests: each is skipped, saying what to install, never an error. A selenium.py that
+    raises ImportError, first on the path, stands in for the missing package."""
+    (tmp_path / "selenium.py").write_text("raise ImportError('no module named selenium')\n")
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-rs", "-p", "no:cacheprovider",
+                           "-k", "markup or typed_problem"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=path, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "the browser test needs selenium: pip install selenium" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("2 skipped"), proc.stdout[-3000:]
 
 
 @pytest.mark.slow

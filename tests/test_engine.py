@@ -647,9 +647,10 @@ def test_a_cpu_call_with_no_budget_takes_a_share_of_the_free_memory(tiny, monkey
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on the host: half each
     generate(model, prompts, **generate_args(stats=stats, **kw))
     assert stats["pool_blocks"] == 6
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")  # not torchrun's: one rank
-    generate(model, prompts, **generate_args(stats=stats, **kw))
-    assert stats["pool_blocks"] == 12
+    for bad in ("two", "\u00b2"):  # not torchrun's: one rank (a superscript two: int() refuses it)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
+        generate(model, prompts, **generate_args(stats=stats, **kw))
+        assert stats["pool_blocks"] == 12
     monkeypatch.setattr(paged, "free_host_bytes", lambda: 0)  # none: one row, never a refusal
     assert_same(generate(model, prompts, **generate_args(stats=stats, **kw)), unbounded)
     assert stats["pool_blocks"] == 1 + paged.blocks_at_longest(prompts[-1], 40, 16)

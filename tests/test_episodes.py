@@ -132,7 +132,7 @@ def test_memory_task_split_spec_and_errors():
     for page, sold in zip(record["pages"], sales):
         assert f"sold {sold} apples" in page and len(re.findall(r"\d+ apples", page)) == 1
     for spec in ("memory:pages=1", "memory:memory=maybe", "memory:colour=red", "memory:max=x",
-                 "memory:filler=99", "memory:ask=last", "mem"):
+                 "memory:filler=99", "memory:ask=last", "mem", "memory:max=\u0669"):
         with pytest.raises(episodes.data.DataError):
             episodes.MemoryTask.from_spec(spec)
 

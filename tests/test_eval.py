@@ -270,6 +270,7 @@ def test_cli_sampled_k_and_default_out(chat_ckpt, tmp_path):
     (["--data", "no-such-benchmark"], "--data"),
     (["--data", "/no/such/file.jsonl"], "--data"),
     (["--data", "arithmetic:digits=x"], "--data"),
+    (["--data", "countdown:numbers=\u00b2"], "--data"),  # a digit to str.isdigit, not to int()
     (["--template", "fancy"], "--template"),
     (["--dtype", "int8"], "--dtype"),
     (["--device", "nonsense"], "--device"),
@@ -365,6 +366,61 @@ def test_summary_line_survives_a_failed_write(tiny_ckpt, tmp_path, capsys, monke
     line = json.loads(captured.out.strip().splitlines()[-1])
     assert exit_info.value.code == 1 and line["n"] == 2 and line["out"] is None
     assert "No space left on device" in captured.err
+
+
+HOLD_LOCK = """import fcntl, os, sys
+f = open(sys.argv[1], "a+")
+fcntl.flock(f, fcntl.LOCK_EX)
+f.write(f"eval.py, pid {os.getpid()} on a host, since now\\n")
+f.flush()
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_an_out_another_process_writes_is_refused_and_a_killed_ones_lock_is_not(tmp_path, capsys):
+    """--out's lock held by another process: exit 2 naming --out and the holder, before any
+    model loads. Once that process is killed its lock file stays but blocks nothing, and a run
+    that then fails (no such model) removes it."""
+    out, lock = tmp_path / "out.jsonl", tmp_path / ".out.jsonl.lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        argv = ["--model", str(tmp_path / "no-such-model"), "--data", "arithmetic", "--out", str(out)]
+        with pytest.raises(SystemExit) as exit_info:
+            ev.main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2, err
+        assert f"argument --out: {out} is being written by eval.py, pid {holder.pid} on a host" in err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lock.exists()  # what a killed run leaves
+    with pytest.raises(SystemExit):
+        ev.main(argv)
+    assert "argument --model" in capsys.readouterr().err and not lock.exists() and not out.exists()
+
+
+def test_a_second_eval_on_the_same_out_stops_and_the_first_writes_whole(tiny_ckpt, tmp_path, capsys,
+                                                                         monkeypatch):
+    """The second eval.py starts while the first evaluates: it stops at once, and --out holds
+    the first run's rows (before, both said they succeeded and the file held one run's rows)."""
+    out = tmp_path / "out.jsonl"
+    argv = ["--model", tiny_ckpt("llama"), "--data", "arithmetic", "--limit", "2", "--max-new-tokens", "2",
+            "--out", str(out), "--quiet"]
+    evaluate, second = ev.evaluate, {}
+
+    def evaluate_while_a_second_starts(*args, **kwargs):
+        with pytest.raises(SystemExit) as exit_info:
+            ev.main(argv)
+        second.update(code=exit_info.value.code, err=capsys.readouterr().err)
+        return evaluate(*args, **kwargs)
+    monkeypatch.setattr(ev, "evaluate", evaluate_while_a_second_starts)
+    line = ev.main(argv)
+    assert second["code"] == 2 and f"argument --out: {out} is being written by eval.py" in second["err"]
+    assert line["n"] == 2 and len(out.read_text().splitlines()) == 2
+    assert not (tmp_path / ".out.jsonl.lock").exists()
 
 
 # ----------------------------------------------------------------------------- one evaluation path

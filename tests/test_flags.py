@@ -2,6 +2,7 @@
 that once cost a run): each is either meaningful (the table below says what it means) or a usage
 error that names the flag, exit code 2, before any model is loaded."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,7 @@ TRAIN_MEANINGFUL = {
     ("--max-rows", "0"): "the sampler runs all of a rank's rows at once",
     ("--micro-batch-tokens", "0"): "micro-batches are sized by rows alone",
     ("--plan-only", "0"): "the plan for this machine's GPU, if any",
+    ("--reward-timeout", "0"): "no time limit on --reward's calls",
 }
 # Values once accepted that cost a run or a result (the issue's list), beyond 0 / -1 / nan / inf.
 TRAIN_EXTRA = [("--eps-low", "2"), ("--clip-c", "0.5"), ("--curriculum", "1.5"),
@@ -85,7 +87,8 @@ TRAIN_CONTEXT = {"--cov-fraction": ["--objective", "kl-cov"], "--kl-cov-coef": [
                  "--clip-cov-low": ["--objective", "clip-cov"], "--clip-cov-high": ["--objective", "clip-cov"],
                  "--sapo-tau-pos": ["--objective", "sapo"], "--sapo-tau-neg": ["--objective", "sapo"],
                  "--reward-kl-coef": ["--adv-estimator", "reinforce_pp"],
-                 "--gamma": ["--adv-estimator", "reinforce_pp"]}
+                 "--gamma": ["--adv-estimator", "reinforce_pp"],
+                 "--reward-timeout": ["--reward", "mine.py:f"]}
 
 
 @pytest.mark.parametrize("flag, value", train_cases())
@@ -101,6 +104,17 @@ def test_train_numeric_flags(flag, value, capsys):
     err = capsys.readouterr().err
     assert error.value.code == 2 and flag in err, err
     assert len(err.strip().splitlines()) == 2  # the short usage line, then the error
+
+
+def test_the_reward_time_limit_acts_only_on_a_reward_function(capsys):
+    """--reward-timeout: 60 s a call by default; given without --reward (the rule reward, or a
+    task's own, is ours and never hangs) it is refused by name."""
+    assert config.parse_config(["--model", "x", "--reward", "mine.py:f"])[0].reward_timeout == 60.0
+    assert config.parse_config(["--model", "x", "--reward", "mine.py:f", "--reward-timeout", "1.5"])[0] \
+        .reward_timeout == 1.5
+    with pytest.raises(SystemExit):
+        config.parse_config(["--model", "x", "--reward-timeout", "5"])
+    assert "--reward-timeout acts only with --reward" in capsys.readouterr().err
 
 
 def eval_cases():
@@ -163,3 +177,51 @@ def test_every_readme_command_parses(tmp_path, capsys):
             config.parse_config(argv)
         else:
             ev.parse_args(argv + ["--out", str(tmp_path / "eval.jsonl")])
+
+
+# ---- a --kv-budget under one row: refused by name, before any weight, leaving nothing ------------
+
+def kv_budget_argv(model, out, budget):
+    """train.py on the tiny digit model: float32, so a block of 16 positions is 16 x 2 layers x
+    (keys, values) x 2 KV heads x 8 dims x 4 bytes = 4096 bytes."""
+    return ["--model", model, "--out", str(out), "--steps", "1", "--compile", "off", "--dtype", "float32",
+            "--max-new-tokens", "16", "--kv-budget", budget]
+
+
+def check_kv_refusal(message):
+    """'--kv-budget 1e-06 GiB: a row of P prompt + 16 new tokens needs ceil((P + 16) / 16) blocks
+    of 16 positions (4096 bytes each ...) ... holds 0 blocks' (1e-6 GiB is 1073 bytes)."""
+    found = re.search(r"train\.py: --kv-budget 1e-06 GiB: a row of (\d+) prompt \+ 16 new tokens needs "
+                      r"(\d+) blocks of 16 positions \(4096 bytes each, .*holds 0 blocks", message)
+    assert found, message
+    assert int(found[2]) == -(-(int(found[1]) + 16) // 16) and "raise --kv-budget" in message
+
+
+def test_a_kv_budget_under_one_row_is_refused_before_any_weight_and_leaves_no_run(tmp_path, monkeypatch):
+    """train.py's setup stops naming --kv-budget with the arithmetic: no weight read, no run
+    directory, so the same command with a budget that holds a row then starts cleanly."""
+    from run import launch
+    from test_train import digit_checkpoint
+    model, out, loads, load = digit_checkpoint(tmp_path / "model"), tmp_path / "run", [], launch.load_model
+    monkeypatch.setattr(launch, "load_model", lambda *a, **k: loads.append(a) or load(*a, **k))
+    with pytest.raises(SystemExit) as refused:
+        launch.setup(config.parse_config(kv_budget_argv(model, out, "0.000001"))[0])
+    check_kv_refusal(str(refused.value))
+    assert not loads and not out.exists()
+    run = launch.setup(config.parse_config(kv_budget_argv(model, out, "0.001"))[0])  # 262 blocks
+    run.run_lock.close()
+    assert loads and (out / "run.lock").is_file()
+
+
+@pytest.mark.parametrize("gib", [[], ["80"]])
+def test_plan_only_refuses_a_kv_budget_under_one_row_by_name(tmp_path, gib):
+    """train.py --plan-only [GIB] (memory_plan.plan_only, as train.py calls it) with the same
+    budget: the same refusal as the run's, naming --kv-budget, not a plan that quietly holds 0 of
+    its rows (or says the rollout needs more than the GPU it fits)."""
+    from run import launch, memory_plan
+    from test_train import digit_checkpoint
+    argv = kv_budget_argv(digit_checkpoint(tmp_path / "model"), tmp_path / "run", "0.000001")
+    with pytest.raises(SystemExit) as refused:
+        memory_plan.plan_only(config.parse_config(argv + ["--plan-only"] + gib)[0], launch.load_data)
+    check_kv_refusal(str(refused.value))
+    assert not (tmp_path / "run").exists()

@@ -360,7 +360,7 @@ def test_setup_refuses_a_run_its_gpu_cannot_hold_before_any_weight_loads(tmp_pat
 def test_plan_only_names_a_bad_world_size(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps(qwen25_config("0.5B")))
     args, _ = config.parse_config(["--model", str(tmp_path), "--plan-only", "80"])
-    for bad in ("0", "eight", "-2"):
+    for bad in ("0", "eight", "-2", "\u00b2"):  # a superscript two: a digit to str.isdigit, not to int
         monkeypatch.setenv("WORLD_SIZE", bad)
         with pytest.raises(SystemExit, match=f"WORLD_SIZE ranks: a whole number >= 1, got '{bad}'"):
             mp.plan_only(args, launch.load_data)

@@ -6,9 +6,11 @@ Run: python -m pytest tests/test_rewards.py -q
 
 import ast
 import math
+import os
 import pathlib
 import random
 import re
+import signal
 import sys
 import time
 
@@ -862,3 +864,93 @@ def test_a_reward_function_that_fails_mid_run_scores_wrong_and_is_counted(capsys
     said = capsys.readouterr().err
     assert said.count("failed on a reply") == 1 and "RuntimeError: no parse" in said  # the first, once
     assert not rewards.judged_right(flaky, "boom", record)
+
+
+def test_a_reward_function_gets_its_own_row_and_cannot_move_the_run(tmp_path, monkeypatch):
+    """Each call reads its own deep copy of the row (the replies of a prompt share one record: a
+    function that wrote into it changed the next reply's score), and the working directory it
+    moves to, at import or in a call, is put back (it moved the run's relative --out)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    spec = _reward_file(tmp_path, "import os\nos.chdir('elsewhere')\n\n"
+                        "def reward(reply, row):\n    os.chdir('/')\n    row['tries'].append(reply)\n"
+                        "    return float(len(row['tries']))\n")
+    record = {"prompt": "p", "answer": "x", "fields": {"tries": []}}
+    function, _ = launch.checked_reward_function(spec + ":reward", record, "rows.jsonl", 0)  # a call
+    assert pathlib.Path.cwd() == tmp_path  # put back after the import and the check
+    scores = [rewards.task_reward(reply, record, function=function)[1]["correct"] for reply in "abc"]
+    assert scores == [1.0, 1.0, 1.0] and record["fields"] == {"tries": []}  # (a shared row: 1, 2, 3)
+    assert pathlib.Path.cwd() == tmp_path and rewards.judged_right(function, "d", record)
+
+
+@pytest.mark.parametrize("returned", [1e308, -1e308, 1e6 + 1, (1.0, {"steps": 2e6})])
+def test_a_reward_beyond_the_bound_scores_as_an_error(returned):
+    """A value or part beyond +-REWARD_BOUND (1e6) is an error, as NaN is: 1e308 passed as finite,
+    and a group's sum overflowed to inf, its advantages to NaN, and every update was skipped."""
+    record = {"prompt": "p", "answer": "x"}
+    total, parts = rewards.task_reward("r", record, function=lambda reply, row: returned)
+    assert (total, parts["error"], parts["accuracy"]) == (-1.0, 1.0, 0.0)
+    total, parts = rewards.task_reward("r", record, function=lambda reply, row: (-1e6, {"steps": 1e6}))
+    assert (total, parts["error"], parts["steps"]) == (-1e6, 0.0, 1e6)  # the bound itself is in
+
+
+def test_a_reward_call_past_its_time_limit_scores_wrong_said_once(capsys):
+    """--reward-timeout: SIGALRM ends a call that sleeps, or loops catching every Exception (a
+    judge's retry loop), as RewardTimeout: the reply scores as wrong, the first on stderr. The
+    alarm's handler and timer are the ones from before afterwards."""
+    def sleeps(reply, row):
+        time.sleep(100)
+
+    def retries(reply, row):
+        while True:
+            try:
+                time.sleep(100)
+            except Exception:
+                pass
+
+    record, limited = {"prompt": "p", "answer": "x"}, [launch.UserReward(f, 0.2) for f in (sleeps, retries)]
+    for function in (limited[0], limited[0], limited[1]):
+        started = time.monotonic()
+        total, parts = rewards.task_reward("r", record, function=function, correct=1.0, wrong=-1.0)
+        assert (total, parts["error"]) == (-1.0, 1.0) and time.monotonic() - started < 5
+    said = capsys.readouterr().err
+    assert said.count("RewardTimeout: no result within --reward-timeout 0.2 s") == 2  # once a function
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    quick = launch.UserReward(lambda reply, row: 0.5, 0.2)
+    assert rewards.task_reward("r", record, function=quick)[1]["correct"] == 0.5
+
+
+def test_off_the_main_thread_a_reward_call_has_no_time_limit_and_says_so(capsys):
+    import threading
+    limited, out = launch.UserReward(lambda reply, row: 0.5, 0.2), []
+    worker = threading.Thread(target=lambda: out.append(rewards.user_score(limited, "r", {})[0]))
+    worker.start()
+    worker.join()
+    assert out == [0.5] and "off the main thread" in capsys.readouterr().err
+
+
+def test_a_stop_signal_ends_the_reward_call_under_way_and_the_later_ones(capsys):
+    """Ctrl-C during a reward call (no time limit) used to leave the call running, and the step,
+    and the checkpoint launch.StopRequest promised, never came: the call now ends as an error,
+    and the step's later calls are not made (errors too)."""
+    calls = []
+
+    def hangs(reply, row):
+        calls.append(reply)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, reaching the handler inside this call
+        time.sleep(100)
+
+    limited, record = launch.UserReward(hangs, 0), {"prompt": "p", "answer": "x"}
+    with launch.StopRequest(on_stop=limited.stop) as stop:
+        scored = [rewards.task_reward(reply, record, function=limited)[1]["error"] for reply in "ab"]
+    assert scored == [1.0, 1.0] and calls == ["a"] and stop.signum == signal.SIGINT
+    said = capsys.readouterr().err
+    assert said.count("RewardStopped") == 1 and "a stop signal (Ctrl-C or SIGTERM) ended this call" in said
+    # A stop asked between calls leaves a healthy reward alone; one that then hangs past its time
+    # limit ends the rest.
+    calls = []
+    later = launch.UserReward(lambda reply, row: calls.append(reply) or time.sleep(100 * (reply == "b")) or 1.0, 0.2)
+    later.stop()
+    scored = [rewards.task_reward(reply, record, function=later)[1]["error"] for reply in "abc"]
+    assert scored == [0.0, 1.0, 1.0] and calls == ["a", "b"]

@@ -806,6 +806,21 @@ def test_rollout_correction_over_the_step_does_not_depend_on_the_micro_batches(t
         assert torch.allclose(one_weights[k], four_weights[k], atol=1e-5, rtol=0), k
 
 
+def test_a_sequence_weight_counts_the_tokens_rejection_takes_out(tiny, tmp_path):
+    """--tis-level sequence with a per-token --tis-reject: a reply's rho is the product over all
+    its tokens, as verl weighs it (rejection masks the loss afterwards). Row 0: rho_t = [1.5, 0.5];
+    token_k1 with U = 1.6 rejects the second (0.5 < 1/1.6), and the kept token weighs
+    min(1.5 x 0.5, 2) = 0.75 (over the kept token alone it would be 1.5); rows 1-3: rho = 1."""
+    import train
+    sampler = [[-1.0, -2.0], [-0.5], [-1.5, -0.1, -0.2], [-3.0]]
+    old = [[-1.0 + math.log(1.5), -2.0 + math.log(0.5)]] + sampler[1:]
+    run = in_process_run(tmp_path, tiny, "--tis-cap", "2", "--tis-level", "sequence",
+                         "--tis-reject", "token_k1", "--tis-reject-bound", "1.6")
+    sums, _ = train.update(run, rollouts(advantages=[1.0, -1.0, -1.0, 1.0], old_logprobs=old))
+    assert (sums["loss_tokens"], sums["tis_rejected"]) == (6, 1)
+    assert sums["tis_weight"] == pytest.approx(0.75 + 5 * 1.0, rel=1e-6)
+
+
 def test_normalised_rollout_weights_average_one(tiny, tmp_path):
     """--tis-normalize alone: over the step's loss tokens the weights the loss sees average 1."""
     import train
@@ -1179,6 +1194,155 @@ def test_no_warning_on_the_default_runs_logged(tmp_path):
             row = json.loads(line)
             assert watch.check({"groups_with_signal": row["groups_kept"], "response_length_median": 0,
                                 **row}, []) == [], (seed, row["step"])
+
+
+def test_a_run_whose_every_update_is_skipped_is_warned():
+    """Every update of a step skipped (some, and the count made did not move) 3 steps in a row:
+    said once, resumed or not. A step that made one of its two updates learned: no warning."""
+    import types
+
+    from run import metrics as step_metrics
+    args = types.SimpleNamespace(reward="", max_new_tokens=64, template="none", temperature=1.0,
+                                 correct_reward=1e308, wrong_reward=-1.0, lr=1e-3)
+    quiet = {"truncated": 0.1, "groups_with_signal": 3, "reward_extracted": 0.9, "response_length_median": 9}
+    rows = [{**quiet, "updates": 1, "skipped_updates": 1}, {**quiet, "updates": 2, "skipped_updates": 1}]
+    rows += [{**quiet, "updates": 2, "skipped_updates": 2}] * 4  # none made
+    watch = step_metrics.Watch(args, "an answer")
+    said = [watch.check(row, []) for row in rows]
+    assert [len(s) for s in said] == [0, 0, 0, 0, 1, 0]
+    assert said[4][0].startswith("every update was skipped for 3 steps in a row") and "1e+308" in said[4][0]
+    resumed = step_metrics.Watch(args, "an answer", history=rows[:4])
+    assert resumed.check(rows[4], []) == said[4]
+
+
+def test_the_logs_are_strict_json(tmp_path):
+    """NaN and the infinities, at any depth, are written as null: json.dumps wrote -Infinity and
+    NaN, which jq and browsers refuse, the whole file with them."""
+    from run import metrics as step_metrics
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    row = {"step": 1, "reward": -math.inf, "loss": math.nan, "n": 3, "kept": [2, 2],
+           "nested": {"x": [0.5, math.inf]}, "warnings": ["a"]}
+    step_metrics.append_log(str(tmp_path), "metrics.jsonl", row)
+    assert json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse) == {
+        "step": 1, "reward": None, "loss": None, "n": 3, "kept": [2, 2], "nested": {"x": [0.5, None]},
+        "warnings": ["a"]}
+    assert row["reward"] == -math.inf  # (its input unchanged)
+
+
+def strict_json_rows(path):
+    """The lines of a .jsonl log, refusing NaN and Infinity as JSON itself does."""
+    def refuse(constant):
+        raise ValueError(f"{path}: {constant} is not JSON")
+    return [json.loads(line, parse_constant=refuse) for line in Path(path).read_text().splitlines()]
+
+
+MISBEHAVING = """import os, zlib
+def reward(reply, row):
+    os.chdir({elsewhere!r})  # moves the process
+    row["seen"] = row.get("seen", 0) + 1  # writes into the row the other replies read
+    if not reply.startswith("Answer:") and zlib.crc32(reply.encode()) % 2:
+        return 1e308  # finite, but the group's sum is not
+    return (1.0 if reply.strip().endswith(row["answer"]) else 0.0), {{"seen": row["seen"]}}
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_that_misbehaves_cannot_corrupt_the_run(tiny, tmp_path):
+    """A reward that calls os.chdir, writes into its row, and returns 1e308 on some replies: the
+    run writes its relative --out where it said (the directory is put back after each call),
+    each reply reads the row as loaded (its own copy: "seen" is 1), the huge values score as
+    errors (beyond 1e6, said once), no update is skipped, metrics.jsonl is strict JSON."""
+    model_dir, _ = tiny
+    (tmp_path / "elsewhere").mkdir()
+    mine = tmp_path / "mine.py"
+    mine.write_text(MISBEHAVING.format(elsewhere=str(tmp_path / "elsewhere")))
+    out = os.path.relpath(tmp_path / "run", ROOT)  # relative, as `--out runs/mine` is
+    proc = run_train(["--model", model_dir, "--data", tolerance_data(tmp_path / "rows.jsonl"), "--steps", "1",
+                      "--out", out, "--reward", f"{mine}:reward"] + BASE)
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["out"] == out
+    assert not list((tmp_path / "elsewhere").iterdir())
+    row, = strict_json_rows(tmp_path / "run" / "metrics.jsonl")
+    assert 0 < row["reward_error"] < 1 and row["reward_seen"] == pytest.approx(1 - row["reward_error"])
+    assert row["skipped_updates"] == 0 and row["updates"] > 0
+    assert proc.stderr.count("returned 1e+308: expected a finite number") == 1
+
+
+HANGS = """import time
+calls = []
+def reward(reply, row):
+    calls.append(reply)
+    if len(calls) > 1:  # (the first call is the check at load, on the row's own answer)
+        open({mark!r}, "w").close()
+        time.sleep(1000)  # a judge that never answers
+    return 1.0
+"""
+
+
+def hanging_reward(tmp_path):
+    """A --reward whose every call after the check at load hangs, having made tmp_path/hung."""
+    path = tmp_path / "hangs.py"
+    path.write_text(HANGS.format(mark=str(tmp_path / "hung")))
+    return f"{path}:reward"
+
+
+@pytest.mark.slow
+def test_a_reward_that_hangs_is_cut_by_its_time_limit(tiny, tmp_path):
+    """--reward-timeout 1: each of the step's 4 replies (one round) ends after 1 s as an error,
+    said once on stderr; the run finishes (it used to hang for ever, silent)."""
+    model_dir, _ = tiny
+    out = tmp_path / "run"
+    proc = run_train(["--model", model_dir, "--data", tolerance_data(tmp_path / "rows.jsonl"), "--steps", "1",
+                      "--out", str(out), "--reward", hanging_reward(tmp_path), "--reward-timeout", "1",
+                      "--mini-batches", "1", "--max-refills", "0"] + flags(prompts_per_step="2", samples="2"),
+                     timeout=300)
+    row, = strict_json_rows(out / "metrics.jsonl")
+    assert row["reward_error"] == 1.0 and row["accuracy"] == 0.0
+    assert proc.stderr.count("RewardTimeout") == 1 and "no result within --reward-timeout 1 s" in proc.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_reward_that_hangs_still_checkpoints(tiny, tmp_path):
+    """Ctrl-C while the reward hangs, with no time limit: the call under way ends and the step's
+    later ones are not made (errors, counted), and the checkpoint promised is written at the end
+    of the step (the call used to go on, and the step, for ever)."""
+    model_dir, _ = tiny
+    out = tmp_path / "run"
+    argv = ["--model", model_dir, "--data", tolerance_data(tmp_path / "rows.jsonl"), "--steps", "3",
+            "--out", str(out), "--reward", hanging_reward(tmp_path), "--reward-timeout", "0",
+            "--mini-batches", "1"] + flags(prompts_per_step="2", samples="2")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py")] + argv, cwd=ROOT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (tmp_path / "hung").exists():
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in stderr, stderr[-2000:]
+    assert "stopped after step 1, checkpointed" in stdout and (out / "checkpoint.pt").exists()
+    row, = strict_json_rows(out / "metrics.jsonl")
+    assert row["reward_error"] == 1.0 and stderr.count("RewardStopped") == 1
+
+
+@pytest.mark.slow
+def test_a_run_whose_every_update_is_skipped_says_so_in_strict_json(tiny, tmp_path):
+    """Rewards of +-1e308 (--correct-reward and --wrong-reward, which the bound on --reward's
+    values does not cover): a group's sum overflows, every update is skipped. metrics.jsonl
+    stays strict JSON (null where the means are not finite) and the third such step warns."""
+    model_dir, data_file = tiny
+    out = tmp_path / "run"
+    proc = run_train(["--model", model_dir, "--data", data_file, "--steps", "3", "--out", str(out),
+                      "--correct-reward", "1e308", "--wrong-reward=-1e308"] + BASE)
+    rows = strict_json_rows(out / "metrics.jsonl")
+    assert all(r["skipped_updates"] > 0 and r["updates"] == 0 for r in rows)
+    said = [[w for w in r.get("warnings", []) if w.startswith("every update was skipped")] for r in rows]
+    assert [len(s) for s in said] == [0, 0, 1] and proc.stderr.count("warning: every update was skipped") == 1
 
 
 @pytest.mark.slow

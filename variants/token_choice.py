@@ -110,13 +110,16 @@ def token_weights(args, mb, old, chosen):
     -> (weights (b, C) or None, named sums)"""
     active, weights, sums = mb.mask != 0, None, {}
     if args.tis_cap:
-        weights, cut = losses.rollout_weights(old, mb.sampler, mb.mask, cap=args.tis_cap,
+        # Over the reply's tokens before --tis-reject, as verl weighs a sequence and as
+        # rollout_weight_scale normalises: a rejected token still counts in its reply's rho =
+        # prod_t rho_t; rejection then takes tokens out of the loss (mb.mask), never the weight's.
+        weights, cut = losses.rollout_weights(old, mb.sampler, mb.unrejected, cap=args.tis_cap,
                                               floor=args.tis_floor, level=args.tis_level,
                                               mode=args.tis_mode)                # (b, C)
         weights = weights * mb.weight_scale
-        sums.update(tis_weight=float((weights * active).sum()), tis_cut_frac=float(cut.sum()))
+        sums.update(tis_weight=float((weights * active).sum()), tis_cut_frac=float((cut & active).sum()))
     if args.tis_reject:
-        sums["tis_rejected"] = mb.rejected
+        sums["tis_rejected"] = float(mb.unrejected.sum() - mb.mask.sum())
     if "high_entropy" in chosen:
         kept = chosen["high_entropy"].to(old.dtype)
         weights = kept if weights is None else weights * kept
