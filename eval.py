@@ -162,13 +162,7 @@ def build_parser():
     what.add_argument("--limit", type=_int_at_least(1), default=None,
                       help="evaluate the first N problems (default: all; arithmetic and "
                            "countdown: 200, memory: 50)")
-    what.add_argument("--tools", default="", metavar="NAMES",
-                      help="tools the model may call, as train.py --tools: calculator, python")
-    what.add_argument("--unsandboxed-python", action="store_true",
-                      help="as train.py's: --tools python where bubblewrap cannot isolate it")
-    what.add_argument("--reward", default="", metavar="FILE.py:FUNCTION",
-                      help="judge replies with your own reward function, as train.py --reward "
-                           "does: right when it says so (default: the answer checker)")
+    judge_flags(what)
     what.add_argument("--template", choices=data.TEMPLATES, default=None,
                       help="prompt template (default: 'none', the bare question, for arithmetic "
                            "and memory; 'dapo' otherwise)")
@@ -205,6 +199,20 @@ def build_parser():
     return parser
 
 
+def judge_flags(group):
+    """The tools the model may call and who judges its replies, as train.py's flags."""
+    group.add_argument("--tools", default="", metavar="NAMES",
+                       help="tools the model may call, as train.py --tools: calculator, python")
+    group.add_argument("--unsandboxed-python", action="store_true",
+                       help="as train.py's: --tools python where bubblewrap cannot isolate it")
+    group.add_argument("--reward", default="", metavar="FILE.py:FUNCTION",
+                       help="judge replies with your own reward function, as train.py --reward "
+                            "does: right when it says so (default: the answer checker)")
+    group.add_argument("--reward-timeout", type=float, default=rewards.TIME_LIMIT, metavar="SECONDS",
+                       help="--reward's time limit a call, as train.py's: a reply not judged by "
+                            "then is not right (0: none)")
+
+
 def resolve_dtype(name, device):
     if name == "float32":
         return torch.float32
@@ -223,6 +231,10 @@ def parse_args(argv=None):
     if args.temperature == 0 and args.k > 1:
         parser.error(f"argument --k: k={args.k} with --temperature 0 would give {args.k} identical "
                      "greedy samples; pass --temperature > 0 (e.g. 1.0) or --k 1")
+    if not 0 <= args.reward_timeout < math.inf:
+        parser.error(f"argument --reward-timeout: seconds >= 0 (0: none), got {args.reward_timeout:g}")
+    if args.reward_timeout != rewards.TIME_LIMIT and not args.reward:
+        parser.error("argument --reward-timeout: acts only with --reward (the answer checker never hangs)")
     args.out = args.out or default_out_path(args.data, args.model)
     check_out_path(parser, args)
     return parser, args
@@ -252,8 +264,8 @@ def claim_out(parser, args):
     """Holds .<--out's name>.lock beside --out (runs.hold_lock) until the results are written or
     the run fails, so that a second eval.py given the same --out stops now, not after both
     evaluated and one run's rows silently replaced the other's. A killed run's lock never blocks."""
-    folder = os.path.dirname(os.path.realpath(args.out))
-    path = os.path.join(folder, f".{os.path.basename(args.out)}.lock")
+    folder, name = os.path.split(os.path.realpath(args.out))  # (one lock however --out is spelled)
+    path = os.path.join(folder, f".{name}.lock")
     try:
         handle, holder = runs.hold_lock(path, "eval.py")
     except OSError as error:
@@ -299,7 +311,7 @@ def reward_judge(parser, args, records):
         return functools.partial(rewards.judged_right, countdown.reward) \
             if task_name(args.data) == "countdown" else None
     try:
-        function, _ = launch.checked_reward_function(args.reward, records[0], args.data)
+        function, _ = launch.checked_reward_function(args.reward, records[0], args.data, args.reward_timeout)
     except ValueError as error:
         parser.error(f"argument {error}")
     return functools.partial(rewards.judged_right, function)

@@ -653,11 +653,14 @@ def check_tools(args, parser):
     if "python" in names and not tools.can_sandbox():
         parser.error("--tools python: this platform has no resource limits (Python's resource "
                      "module) to sandbox it; use --tools calculator")
+    if args.unsandboxed_python and "python" not in names:
+        parser.error("--unsandboxed-python acts on --tools python, which this run does not use")
     if "python" in names and tools.isolation() is None and not args.unsandboxed_python:
-        parser.error("--tools python: bubblewrap cannot isolate the tool on this machine (install "
-                     "it: apt install bubblewrap; a container must allow user namespaces). Without "
-                     "it the model's code could read your files and the trainer's environment "
-                     "(API keys); --unsandboxed-python runs it anyway under an audit hook")
+        parser.error(f"--tools python: bubblewrap cannot isolate the tool on this machine "
+                     f"({tools.isolation_problem()}; it needs bubblewrap 0.5 or later and user "
+                     "namespaces, which some containers and Ubuntu's AppArmor refuse). Without it the "
+                     "model's code could read your files and the trainer's environment (API keys); "
+                     "--unsandboxed-python runs it anyway under an audit hook")
     if "python" in names and tools.isolation() is None:
         print("--tools python: NOT isolated (--unsandboxed-python): the model's code runs as you, "
               "under an audit hook only", file=sys.stderr, flush=True)

@@ -284,23 +284,28 @@ class UserReward:
       we resolve, and the run's messages show --out as it was typed;
     - limited to `seconds` a call (0: none): SIGALRM raises rewards.RewardTimeout inside it, which
       ends a Python loop, a time.sleep or a socket's wait; a C call that never returns to the
-      interpreter is not interrupted. Only the main thread receives signals: off it, no limit.
-    `stop()`, from a stop signal's handler (StopRequest), ends the call under way."""
+      interpreter is not interrupted, and a function that sets its own alarm (signal.alarm)
+      replaces ours for that call. Only the main thread receives signals: off it, no limit.
+    `stop()`, from a stop signal's handler (StopRequest), gives the call under way, and each one
+    after it, STOP_GRACE seconds at most: a healthy reward's step ends as it would have; one that
+    hangs past them ends in RewardStopped, and the later calls are not made (they score as errors),
+    so that the step ends and the promised checkpoint comes."""
+    STOP_GRACE = 10.0
 
     def __init__(self, function, seconds: float):
         self.function, self.seconds = function, float(seconds)
         self.__name__ = getattr(function, "__name__", repr(function))
         self.calling = False  # a call under way on the main thread
         self.stop_asked = False  # a stop signal came (StopRequest)
-        self.stopped = False  # since then a call was ended: the later ones are not made
+        self.stopped = False  # since then a call hung past STOP_GRACE: the later ones are not made
         self.said_thread = False
 
     def __call__(self, reply, row):
         if self.stopped:
-            raise rewards.RewardStopped("not made: a stop signal ended an earlier call")
+            raise rewards.RewardStopped("not made: a call hung past a stop signal")
         here, row = os.getcwd(), copy.deepcopy(row)
         try:
-            if threading.current_thread() is threading.main_thread():
+            if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
                 return self.timed(reply, row)
             if self.seconds and not self.said_thread:
                 self.said_thread = True
@@ -310,36 +315,38 @@ class UserReward:
         finally:
             os.chdir(here)
 
+    def limit(self):
+        """This call's seconds (0: none): --reward-timeout, and STOP_GRACE once a stop was asked."""
+        return min(filter(None, (self.seconds, self.STOP_GRACE if self.stop_asked else 0)), default=0)
+
     def timed(self, reply, row):
-        """The call on the main thread, with SIGALRM set for `seconds` (if any), then unset."""
-        timed = self.seconds > 0 and hasattr(signal, "setitimer")
-        if timed:
-            before = signal.signal(signal.SIGALRM, self.expire)
-            signal.setitimer(signal.ITIMER_REAL, self.seconds)
-        self.calling = True
+        """The call on the main thread, with SIGALRM set for `limit()` seconds (if any), then unset."""
+        before = signal.signal(signal.SIGALRM, self.expire)
+        self.calling = True  # (before the timer: an alarm in between must not be ignored)
+        signal.setitimer(signal.ITIMER_REAL, self.limit())
         try:
             return self.function(reply, row)
         finally:
             self.calling = False
-            if timed:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, signal.SIG_DFL if before is None else before)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL if before is None else before)
 
     def expire(self, signum, frame):
-        if self.calling:  # (not in the instant after the call returned, before the timer is off)
-            self.stopped = self.stop_asked  # hung while the run is stopping: make no more calls
-            raise rewards.RewardTimeout(f"no result within --reward-timeout {self.seconds:g} s")
+        if not self.calling:  # (the instant after the call returned, before the timer is off)
+            return
+        if self.stop_asked:  # hung while the run is stopping: make no more calls
+            self.calling, self.stopped = False, True
+            raise rewards.RewardStopped(f"no result within {self.STOP_GRACE:g} s of a stop signal (Ctrl-C "
+                                        "or SIGTERM); the later calls are not made, so that the checkpoint comes")
+        raise rewards.RewardTimeout(f"no result within --reward-timeout {self.seconds:g} s")
 
     def stop(self):
-        """Called by a stop signal's handler, on the main thread inside whatever runs: a call under
-        way ends in RewardStopped, and so, at once, do the calls after it (the step's other replies
-        score as errors), so that a reward that hangs cannot hold back the checkpoint promised (nor
-        can one that hangs later, once past its time limit). A healthy reward's step is untouched."""
+        """Called by a stop signal's handler, on the main thread inside whatever runs: the call
+        under way, if any, has STOP_GRACE seconds left at most (its own limit if sooner)."""
         self.stop_asked = True
         if self.calling:
-            self.calling, self.stopped = False, True
-            raise rewards.RewardStopped("a stop signal (Ctrl-C or SIGTERM) ended this call; the later "
-                                        "ones are not made, so that the step ends and the checkpoint comes")
+            left = signal.getitimer(signal.ITIMER_REAL)[0]
+            signal.setitimer(signal.ITIMER_REAL, min(left or self.STOP_GRACE, self.STOP_GRACE))
 
 
 def refuse_mismatches(args, model_config):

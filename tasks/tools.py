@@ -30,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import replace
@@ -52,6 +53,7 @@ OUTPUT_CHARS = 1000      # what comes back of its output
 READ_BYTES = 4 * OUTPUT_CHARS  # stdout read at most (UTF-8: 4 bytes a character at most)
 ERROR_BYTES = 4096       # the end of stderr kept (a traceback's last lines)
 SANDBOX_FOLDER = "/sandbox"  # the call's own folder, as its code sees it under bubblewrap
+SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "HOME": SANDBOX_FOLDER, "TMPDIR": SANDBOX_FOLDER}  # all of it
 
 
 def call_pattern(tools, at_end=False):
@@ -101,8 +103,8 @@ def calculator(expression):
     value = read[0]
     if value.denominator == 1:
         return str(value.numerator)
-    with decimal.localcontext(prec=12):
-        return f"{(decimal.Decimal(value.numerator) / value.denominator).normalize():g}"
+    quotient = decimal.Context(prec=12).divide(decimal.Decimal(value.numerator), value.denominator)
+    return f"{quotient.normalize():g}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,35 +153,53 @@ def interpreter():
 def bwrap_command(folder):
     """bubblewrap's command line for a tool call in `folder`: every namespace new (user, process,
     network, IPC, mounts), so the call sees no network, no process of the trainer's and no file
-    but the system's programs and libraries, read-only, and `folder` as SANDBOX_FOLDER; an
-    environment of PATH and HOME only; it dies with the trainer."""
+    but the system's programs and libraries and the interpreter's own, read-only, and `folder` as
+    SANDBOX_FOLDER; it dies with the trainer. (The environment is the one bwrap is given: SANDBOX_ENV.)"""
     command = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-               "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", SANDBOX_FOLDER,
-               "--setenv", "TMPDIR", SANDBOX_FOLDER, "--proc", "/proc", "--dev", "/dev"]
+               "--proc", "/proc", "--dev", "/dev"]
     for path in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/ld.so.cache"):
         if os.path.islink(path):  # a merged /usr: /lib -> usr/lib
             command += ["--symlink", os.readlink(path), path]
         elif os.path.exists(path):
             command += ["--ro-bind", path, path]
-    prefix = os.path.dirname(os.path.dirname(interpreter()))  # .../bin/python3 -> ...
-    if prefix != "/usr":  # an interpreter installed elsewhere (pyenv, conda): its files read-only
-        command += ["--ro-bind", prefix, prefix]
+    for path in interpreter_paths():
+        command += ["--ro-bind", path, path]
     return command + ["--bind", folder, SANDBOX_FOLDER, "--chdir", SANDBOX_FOLDER]
 
 
+def interpreter_paths():
+    """What an interpreter installed outside /usr (pyenv, conda, a build of one's own) needs in the
+    sandbox: its program, its standard library, its shared library's folder; never a folder above
+    them, which could be a home folder."""
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}  # not a virtual environment's
+    paths = sysconfig.get_paths(vars={**base, "installed_base": sys.base_prefix,
+                                      "installed_platbase": sys.base_exec_prefix})
+    needed = {interpreter(), paths["stdlib"], paths["platstdlib"], sysconfig.get_config_var("LIBDIR")}
+    return sorted(path for path in {os.path.realpath(p) for p in needed if p and os.path.exists(p)}
+                  if not path.startswith("/usr/"))
+
+
 @functools.cache
-def isolation():
-    """"bwrap" where bubblewrap can isolate a call on this machine (the program is installed and
-    the kernel lets it make namespaces: some containers do not), else None."""
+def isolation_problem():
+    """Why bubblewrap cannot isolate a call on this machine (not installed, a version without
+    these options, a kernel or AppArmor that refuses it namespaces), in its own words; or None."""
     if shutil.which("bwrap") is None:
-        return None
+        return "bubblewrap is not installed (apt install bubblewrap)"
+    if any(path in ("/", os.path.expanduser("~")) for path in interpreter_paths()):
+        return f"the interpreter's files ({', '.join(interpreter_paths())}) would show a home or the root"
     with tempfile.TemporaryDirectory(prefix="sandbox-") as folder:
         try:
             probe = subprocess.run(bwrap_command(folder) + [interpreter(), "-I", "-c", "pass"],
-                                   capture_output=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-    return "bwrap" if probe.returncode == 0 else None
+                                   capture_output=True, text=True, errors="replace", timeout=30,
+                                   env=SANDBOX_ENV)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return f"bwrap did not run: {error}"
+    return None if probe.returncode == 0 else f"bwrap failed: {probe.stderr.strip()[-300:]}"
+
+
+def isolation():
+    """"bwrap" where bubblewrap isolates a call on this machine, else None (isolation_problem)."""
+    return "bwrap" if isolation_problem() is None else None
 
 
 def _limits():
@@ -201,8 +221,8 @@ def sandboxed_python(code):
         command = [interpreter(), "-I", "-B", "-c", GUARD]
         process = subprocess.Popen(bwrap_command(folder) + command if isolated else command,
                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   cwd=folder, env={"PATH": os.environ.get("PATH", ""), "HOME": folder,
-                                                    "TMPDIR": folder},
+                                   cwd=folder, env=SANDBOX_ENV if isolated else
+                                   {"PATH": os.environ.get("PATH", ""), "HOME": folder, "TMPDIR": folder},
                                    preexec_fn=_limits, start_new_session=True)
         try:
             stdout, stderr, stopped = _read_bounded(process, time.monotonic() + SECONDS + 1)
@@ -263,9 +283,10 @@ def _end(process):
 
 
 def _last_lines(text):
-    """Of a traceback, where the code failed (its last line of the model's code) and why."""
+    """Of a traceback, where the code failed (its last line of the model's code) and why; also of
+    a traceback's tail (a deep one is kept from its end: ERROR_BYTES)."""
     lines = text.strip().splitlines()
-    if not lines or not lines[0].startswith("Traceback"):
+    if not lines or not any(line.startswith(("Traceback", '  File "')) for line in lines):
         return "\n".join(lines)
     own = [line.strip() for line in lines if line.strip().startswith('File "<python>"')]
     return "\n".join(own[-1:] + lines[-1:])

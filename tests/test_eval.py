@@ -271,6 +271,7 @@ def test_cli_sampled_k_and_default_out(chat_ckpt, tmp_path):
     (["--data", "/no/such/file.jsonl"], "--data"),
     (["--data", "arithmetic:digits=x"], "--data"),
     (["--data", "countdown:numbers=\u00b2"], "--data"),  # a digit to str.isdigit, not to int()
+    (["--reward-timeout", "-1"], "--reward-timeout"),
     (["--template", "fancy"], "--template"),
     (["--dtype", "int8"], "--dtype"),
     (["--device", "nonsense"], "--device"),

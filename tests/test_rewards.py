@@ -930,25 +930,36 @@ def test_off_the_main_thread_a_reward_call_has_no_time_limit_and_says_so(capsys)
     assert out == [0.5] and "off the main thread" in capsys.readouterr().err
 
 
-def test_a_stop_signal_ends_the_reward_call_under_way_and_the_later_ones(capsys):
-    """Ctrl-C during a reward call (no time limit) used to leave the call running, and the step,
-    and the checkpoint launch.StopRequest promised, never came: the call now ends as an error,
-    and the step's later calls are not made (errors too)."""
+def test_a_stop_signal_ends_a_hung_reward_call_and_the_later_ones_not_a_healthy_one(capsys, monkeypatch):
+    """Ctrl-C during a reward call (no time limit) used to leave a hung call running, and the step,
+    and the checkpoint launch.StopRequest promised, never came: a call under way now has
+    STOP_GRACE seconds left; one that finishes in them scores as it would have (a healthy judge's
+    step is untouched), one that hangs past them ends as an error, and the later calls are not made."""
+    monkeypatch.setattr(launch.UserReward, "STOP_GRACE", 0.3)
     calls = []
 
-    def hangs(reply, row):
+    def judge(reply, row):  # "a" answers 0.1 s after the signal; "b" hangs
         calls.append(reply)
-        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, reaching the handler inside this call
-        time.sleep(100)
+        if reply in "ab":
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, reaching the handler inside this call
+        time.sleep(100 if reply == "b" else 0.1)
+        return 1.0
 
-    limited, record = launch.UserReward(hangs, 0), {"prompt": "p", "answer": "x"}
-    with launch.StopRequest(on_stop=limited.stop) as stop:
-        scored = [rewards.task_reward(reply, record, function=limited)[1]["error"] for reply in "ab"]
-    assert scored == [1.0, 1.0] and calls == ["a"] and stop.signum == signal.SIGINT
+    for reply, expected in (("a", 0.0), ("b", 1.0), ("c", 1.0)):
+        limited, record = launch.UserReward(judge, 0), {"prompt": "p", "answer": "x"}
+        with launch.StopRequest(on_stop=limited.stop) as stop:
+            scored = [rewards.task_reward(r, record, function=limited)[1]["error"] for r in reply + "d"]
+        assert stop.signum == (signal.SIGINT if reply in "ab" else None)
+        if reply == "c":  # (no signal: the plain path)
+            assert scored == [0.0, 0.0]
+        else:  # the next call ("d") is made after a call that finished, not after one that hung
+            assert scored == [expected, expected], reply
+    assert calls == ["a", "d", "b", "c", "d"]
     said = capsys.readouterr().err
-    assert said.count("RewardStopped") == 1 and "a stop signal (Ctrl-C or SIGTERM) ended this call" in said
-    # A stop asked between calls leaves a healthy reward alone; one that then hangs past its time
-    # limit ends the rest.
+    assert said.count("RewardStopped") == 1 and "no result within 0.3 s of a stop signal" in said
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    # A stop asked between calls leaves a healthy reward alone; one that then hangs past the grace
+    # (or its own time limit, if sooner) ends the rest.
     calls = []
     later = launch.UserReward(lambda reply, row: calls.append(reply) or time.sleep(100 * (reply == "b")) or 1.0, 0.2)
     later.stop()

@@ -55,6 +55,9 @@ def test_the_sandbox_runs_code_and_refuses_in_words(tmp_path, monkeypatch):
         "x = bytearray(10 ** 10)": "MemoryError",                            # the memory limit
         "chunks = []\nwhile True:\n    chunks.append(' ' * 10 ** 7)": "MemoryError",
         "raise ValueError('mine')": "ValueError: mine",
+        # a traceback longer than what is kept of it (ERROR_BYTES) still ends in its error
+        "def a(n):\n    return b(n)\ndef b(n):\n    return 1 / 0 if n == 0 else a(n - 1)\na(300)":
+            "ZeroDivisionError: division by zero",
     }
     for code, said in cases.items():
         out = tools.sandboxed_python(code)
@@ -234,8 +237,12 @@ def test_tools_flags_are_checked(capsys):
 def test_python_without_isolation_is_refused_unless_the_risk_is_accepted(capsys, monkeypatch):
     from run import config
     monkeypatch.setattr(tools, "isolation", lambda: None)  # a machine without bubblewrap
-    with pytest.raises(SystemExit):
-        config.parse_config(["--tools", "python"])
-    assert "bubblewrap cannot isolate" in capsys.readouterr().err
+    monkeypatch.setattr(tools, "isolation_problem", lambda: "bwrap failed: setting up uid map")
+    for argv, said in [(["--tools", "python"], "cannot isolate the tool on this machine (bwrap failed: "
+                                               "setting up uid map; it needs bubblewrap 0.5"),
+                       (["--tools", "calculator", "--unsandboxed-python"], "acts on --tools python")]:
+        with pytest.raises(SystemExit):
+            config.parse_config(argv)
+        assert said in capsys.readouterr().err
     args = config.parse_config(["--tools", "python", "--unsandboxed-python"])[0]
     assert args.unsandboxed_python and "NOT isolated" in capsys.readouterr().err

@@ -1304,9 +1304,10 @@ def test_a_reward_that_hangs_is_cut_by_its_time_limit(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_during_a_reward_that_hangs_still_checkpoints(tiny, tmp_path):
-    """Ctrl-C while the reward hangs, with no time limit: the call under way ends and the step's
-    later ones are not made (errors, counted), and the checkpoint promised is written at the end
-    of the step (the call used to go on, and the step, for ever)."""
+    """Ctrl-C while the reward hangs, with no time limit: the call under way ends after
+    UserReward.STOP_GRACE seconds, the step's later ones are not made (errors, counted), and the
+    checkpoint promised is written at the end of the step (the call used to go on, and the step,
+    for ever)."""
     model_dir, _ = tiny
     out = tmp_path / "run"
     argv = ["--model", model_dir, "--data", tolerance_data(tmp_path / "rows.jsonl"), "--steps", "3",
