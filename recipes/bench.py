@@ -584,14 +584,7 @@ def bench_update(args):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    precisions = [("float32", contextlib.nullcontext)]
-    if cpu_has_bf16() or device.type == "cuda" or args.dtypes:
-        precisions.append(("bf16 autocast", lambda: torch.autocast(device.type, dtype=torch.bfloat16)))
-    else:
-        print("  (bf16 autocast skipped: this CPU has no native bf16 matrix instructions)")
-    if args.dtypes:  # --dtypes float32,bfloat16 names the precisions to run
-        wanted = {{"float32": "float32", "bfloat16": "bf16 autocast"}.get(d) for d in args.dtypes.split(",")}
-        precisions = [p for p in precisions if p[0] in wanted]
+    precisions = update_precisions(args.dtypes, device)
     results = {}
     for name, autocast in precisions:
         runs = {"ours": (load_model(args.model, dtype=torch.float32, device=device)[0], step_ours)}
@@ -615,6 +608,21 @@ def bench_update(args):
     if len(precisions) > 1 and "ours" in args.paths:
         print(f"  bf16 autocast / float32 (ours): "
               f"{results[('bf16 autocast', 'ours')] / results[('float32', 'ours')]:.2f}x")
+
+
+def update_precisions(dtypes, device):
+    """[(name, autocast context maker)] bench_update times: float32, and bf16 autocast where bf16
+    is native (a GPU, a CPU with bf16 matrix instructions) or `dtypes` (--dtypes
+    float32,bfloat16) names it."""
+    precisions = [("float32", contextlib.nullcontext)]
+    if cpu_has_bf16() or device.type == "cuda" or dtypes:
+        precisions.append(("bf16 autocast", lambda: torch.autocast(device.type, dtype=torch.bfloat16)))
+    else:
+        print("  (bf16 autocast skipped: this CPU has no native bf16 matrix instructions)")
+    if dtypes:
+        wanted = {{"float32": "float32", "bfloat16": "bf16 autocast"}.get(d) for d in dtypes.split(",")}
+        precisions = [p for p in precisions if p[0] in wanted]
+    return precisions
 
 
 def _alternated_times(runs, opts, autocast, repeats, device):

@@ -51,6 +51,8 @@ def execute(path, cwd):
 
 
 def main():
+    import argparse
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no flags: --help
     import nbformat
     start = time.perf_counter()
     notebook = execute(NOTEBOOK, NOTEBOOK.parent)

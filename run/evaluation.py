@@ -44,7 +44,7 @@ import rewards
 import rollout
 from engine.paged import EngineOptions
 from engine.speedups import SpeedUps
-from run import config, metrics
+from run import config, runs
 from run.distributed import gather
 from tasks import episodes, verify
 
@@ -248,7 +248,7 @@ def evaluate_and_log(run, progress):
         print(f"step {progress.step}: held-out accuracy {result['pass@1']:.3f}{avg_text} on {result['n']} "
               f"problems{ranks} ({time.perf_counter() - started:.0f} s)", flush=True)
         row = {"step": progress.step, "train_seconds": progress.train_seconds, **result}
-        metrics.append_log(args.out, "eval.jsonl", row)  # strict JSON
+        runs.append_log(args.out, "eval.jsonl", row)
         run.tracker.log(row, progress.step, prefix="eval/")
     return result
 

@@ -34,7 +34,7 @@ import rewards
 from engine.speed import compile_blocks, expandable_cuda_segments, keep_freed_memory, pack_linears
 from model import Transformer
 from rollout import line_break_ids, stop_token_ids
-from run import checkpoints, config, evaluation, memory_plan, metrics, runs, sharding, tracking
+from run import checkpoints, config, evaluation, memory_plan, runs, sharding, tracking
 from run.checkpoints import load_model, save_model
 from run.distributed import from_rank0, gather, setup_distributed
 from tasks import countdown, episodes
@@ -621,9 +621,9 @@ def log_step(run, progress, row, examples, bar, watch):
         row = {**row, "warnings": said}
         for text in said:
             bar.write(f"warning: {text}", file=sys.stderr)
-    metrics.append_log(run.args.out, "metrics.jsonl", row)
+    runs.append_log(run.args.out, "metrics.jsonl", row)
     for line in examples:
-        metrics.append_log(run.args.out, "samples.jsonl", line)
+        runs.append_log(run.args.out, "samples.jsonl", line)
     run.tracker.log(row, row["step"])
     run.tracker.log_samples(examples, row["step"])
     bar.update(1)

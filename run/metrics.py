@@ -6,11 +6,10 @@ would weight a rank with fewer samples as much. The row divides them once, by th
 (samples, turns, loss tokens, updates).
 """
 
-import math
 import statistics
 
 import dapo
-from run import config, runs
+from run import config
 from run.distributed import gather, reduce_metrics
 from variants import token_choice
 
@@ -105,24 +104,6 @@ def step_metrics(run, progress, collected, done, update_sums, update_maxima, sec
     row["tokens_per_second_scoring"] = (total["update_tokens"] / ranks / max(seconds["scoring"], 1e-9)
                                         if scored and args.algo != "dpo" else None)  # step 3 ran
     return row
-
-
-def strict_json(value):
-    """`value` with every non-finite float (NaN, +-inf) as None, in dicts and lists at any depth:
-    a line of strict JSON. json.dumps writes NaN and -Infinity, which are not JSON: jq, browsers
-    and most readers other than Python's refuse the whole file."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: strict_json(v) for key, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict_json(v) for v in value]
-    return value
-
-
-def append_log(out, name, row):
-    """A line of metrics.jsonl, samples.jsonl or eval.jsonl, strict JSON (`strict_json`)."""
-    runs.append_log(out, name, strict_json(row))
 
 
 class Watch:

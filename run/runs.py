@@ -135,9 +135,23 @@ def read_config(run_dir):
     return config
 
 
+def strict_json(value):
+    """`value` with every non-finite float (NaN, +-inf) as None, in dicts and lists at any depth:
+    a line of strict JSON. json.dumps writes NaN and -Infinity, which are not JSON: jq, browsers
+    and most readers other than Python's refuse the whole file."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict_json(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def append_line(path, row):
+    """`row` as one line of strict JSON at the end of the .jsonl file `path`."""
     with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+        f.write(json.dumps(strict_json(row), allow_nan=False) + "\n")
 
 
 def append_log(out, name, row):

@@ -1218,13 +1218,13 @@ def test_a_run_whose_every_update_is_skipped_is_warned():
 def test_the_logs_are_strict_json(tmp_path):
     """NaN and the infinities, at any depth, are written as null: json.dumps wrote -Infinity and
     NaN, which jq and browsers refuse, the whole file with them."""
-    from run import metrics as step_metrics
+    from run import runs
 
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
     row = {"step": 1, "reward": -math.inf, "loss": math.nan, "n": 3, "kept": [2, 2],
            "nested": {"x": [0.5, math.inf]}, "warnings": ["a"]}
-    step_metrics.append_log(str(tmp_path), "metrics.jsonl", row)
+    runs.append_log(str(tmp_path), "metrics.jsonl", row)
     assert json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse) == {
         "step": 1, "reward": None, "loss": None, "n": 3, "kept": [2, 2], "nested": {"x": [0.5, None]},
         "warnings": ["a"]}
