@@ -471,10 +471,10 @@ PRESET_KEYS = {
     "temperature", "top_p",
     # regularisation toward the reference
     "kl", "kl_coef", "gkl_alpha", "gkl_beta", "gkl_gamma", "gkl_temperature", "gkl_weight_temperature",
-    # DPO
-    "dpo_beta", "dpo_pairs",
+    # DPO, on-policy distillation
+    "dpo_beta", "dpo_pairs", "teacher_coef", "verifier_coef",
     # optimisation
-    "lr", "warmup_steps", "weight_decay", "grad_clip", "mini_batches",
+    "lr", "warmup_steps", "lr_schedule", "weight_decay", "grad_clip", "mini_batches",
     # the objectives since DAPO and the rollout correction
     "reward_kl_coef", "tis_cap", "tis_level", "tis_mode", "tis_floor", "tis_normalize", "tis_reject",
     "tis_reject_bound", "high_entropy_fraction", "cov_fraction",
@@ -597,6 +597,14 @@ PRESETS: dict[str, dict] = {
     "dapo-memory": {**_DAPO, "data": "memory:pages=3,max=9,filler=2,ask=first", "max_new_tokens": 16,
                     "eval_limit": 50},
     "dapo-balanced": {**_DAPO, "efficiency_weight": 0.1},
+    # On-policy distillation alone (variants/distill.py; needs --teacher): each token's advantage
+    # the teacher's log-prob less the student's, no verifier's term, so no group is without signal
+    # (dynamic sampling off); DAPO's clip-higher and token-level loss kept.
+    "opd": {**_DAPO, "verifier_coef": 0.0, "teacher_coef": 1.0, "dynamic_sampling": False,
+            "overlong_penalty": False},
+    # Supervised fine-tuning on the data's completions (variants/sft.py): one update a batch.
+    "sft": {"algo": "sft", "lr": 1e-5, "warmup_steps": 10, "lr_schedule": "cosine",
+            "mini_batches": 1, "dynamic_sampling": False, "weight_decay": 0.0, "grad_clip": 1.0},
     # The objectives since DAPO (objectives.OBJECTIVES), each in place of DAPO's clipped ratio with the
     # rest of DAPO kept (dynamic sampling, overlong shaping, the updates per step), at its paper's
     # clip range and aggregation.

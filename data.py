@@ -161,6 +161,18 @@ def load_records(name_or_path, *, split="train", limit=None, tokenizer=None,
 
 
 def _load_hub(name, split, limit):
+    source, rows = read_rows(name, split)
+    return source, _records_from_rows(rows, source, limit)
+
+
+def read_rows(name, split="train"):
+    """A local file's or a known hub set's rows as they are -> (source, (row number, row dict)
+    pairs); variants/sft.py reads its examples from them."""
+    if os.path.isfile(name):
+        return name, _read_file(name)
+    if name not in HUB_DATASETS:
+        raise DataError(f"{name}: not a local {'/'.join(FILE_EXTENSIONS)} file, nor one of "
+                        f"{', '.join(HUB_DATASETS)}")
     hub_id, config, fixed_split = HUB_DATASETS[name]
     split = fixed_split or split
     try:
@@ -169,8 +181,7 @@ def _load_hub(name, split, limit):
     except Exception as error:  # no network, no such split, ...: say what was tried
         raise DataError(f"could not load {hub_id} (split {split!r}) from the hub: {error}; "
                         "a local .jsonl/.json/.parquet copy works offline") from error
-    source = f"{hub_id}:{split}"
-    return source, _records_from_rows(enumerate(rows, start=1), source, limit)
+    return f"{hub_id}:{split}", enumerate(rows, start=1)
 
 
 def _read_file(path):
@@ -319,7 +330,7 @@ def _record_from_row(row, layout, source, number):
         solution = row.get("solution")
         hint = _first_step(solution) if isinstance(solution, str) else None
     elif layout == "verl":
-        messages = _messages(row.get("prompt"), source, number, "prompt")
+        messages = checked_messages(row.get("prompt"), source, number, "prompt")
         reward_model = row.get("reward_model")
         if not isinstance(reward_model, dict):
             field_state = "missing" if reward_model is None else \
@@ -348,7 +359,7 @@ def _record_from_row(row, layout, source, number):
     return record
 
 
-def _messages(messages, source, number, field):
+def checked_messages(messages, source, number, field):
     """A checked copy of a chat message list: [{"role": str, "content": str}, ...] with a user turn."""
     where = f"{source}: row {number}: field '{field}'"
     if messages is None:
@@ -406,7 +417,7 @@ def validate_records(records, source, tokenizer=None, max_prompt_tokens=None, te
         if "hint" in record:
             _field(record, "hint", source, number)
         if "messages" in record:
-            _messages(record["messages"], source, number, "messages")
+            checked_messages(record["messages"], source, number, "messages")
     if tokenizer is not None and max_prompt_tokens is not None:
         for position, record in enumerate(records, start=1):
             length = len(format_prompt(record, tokenizer, template))

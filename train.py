@@ -51,7 +51,7 @@ from model import completion_logprobs, token_logprobs
 from run import config, distributed, evaluation, launch, memory_plan, metrics
 from run.distributed import add, all_reduce, gather, reduce_metrics, top
 from tasks import episodes
-from variants import moe, objectives, reference, refills, token_choice
+from variants import distill, moe, objectives, reference, refills, sft, token_choice
 from variants.moe import Routing
 
 # ---- the batch a step carries -------------------------------------------------------------------
@@ -157,7 +157,7 @@ def train_step(run, progress):
     sampled_at = time.perf_counter()
     rollout_peak = launch.peak_memory_mib(args) if args.device.type == "cuda" else None
     batch = with_old_logprobs(run, collected.kept)                       # 3
-    batch = with_advantages(run, batch)                                  # 4
+    batch = distill.with_teacher(run, with_advantages(run, batch), scored_logprobs)  # 4
     scored_at = time.perf_counter()
     run.policy.train()
     update_sums, update_maxima = update(run, batch, progress.step)       # 5
@@ -167,7 +167,7 @@ def train_step(run, progress):
     seconds = {"rollout": sampled_at - start, "scoring": scored_at - sampled_at,
                "update": updated_at - scored_at, "refresh": end - updated_at}
     done = Rollouts.concat(collected.sampled) if collected.sampled else STAND_IN.select([])
-    row = metrics.step_metrics(run, progress, collected, done, update_sums,  # 6
+    row = metrics.step_metrics(run, progress, collected._replace(kept=batch), done, update_sums,  # 6
                                {**update_maxima, "peak_memory_mib": launch.peak_memory_mib(args)},
                                seconds)
 
@@ -311,21 +311,21 @@ def with_old_logprobs(run, batch):
 
 
 @torch.no_grad()
-def scored_logprobs(run, batch, rows, under_reference=False):
-    """The token log-probs of `rows` of `batch` under the policy (or the reference), a micro-batch
-    at a time; the policy replays the sampler's experts (--routing-replay), the reference routes
-    on its own as in reference.kl_term. -> per row, a list"""
+def scored_logprobs(run, batch, rows, under_reference=False, model=None):
+    """The token log-probs of `rows` of `batch` under the policy (the reference, or `model`: the
+    --teacher), a micro-batch at a time; the policy replays the sampler's experts (--routing-replay),
+    the others route on their own as in reference.kl_term. -> per row, a list"""
     args, out = run.args, {}
     for part in micro_batch_rows(run, batch, rows):
         ids, attn, _, start = data.pack([batch.prompts[i] for i in part] or [[0]],
                                         [batch.tokens[i] for i in part] or [[0]], args.device)
-        replay = None if under_reference or not part else moe.replay_rows(
+        replay = None if under_reference or model is not None or not part else moe.replay_rows(
             batch.routing, batch.prompts, batch.tokens, part, ids.shape[1] - start,
             run.policy.config, args.device)
         score = functools.partial(completion_logprobs, ids=ids, attn=attn, start=start,
                                   replay=replay, temperature=args.temperature)
         with distributed.autocast(run.args.device, run.bf16):
-            logp = reference.reference_forward(run, score) if under_reference else score(run.policy)
+            logp = reference.reference_forward(run, score) if under_reference else score(model or run.policy)
         out.update({i: logp[j, :len(batch.tokens[i])].tolist() for j, i in enumerate(part)})
     return [out[i] for i in rows]  # (micro-batches by tokens go longest first)
 
@@ -546,7 +546,10 @@ def train_steps(run, progress, stop):
     last_save, over_time, stopping = time.monotonic(), progress.train_seconds > limit, False
     watch = metrics.Watch(args, launch.answer_format(run), launch.logged_rows(run) if writes else [])
     while progress.step < args.steps and not over_time and not stopping:
-        progress, row, examples = train_step(run, progress)
+        if args.algo == "sft":  # a supervised step (variants/sft.py) in place of the RL step
+            progress, row, examples = sft.sft_step(run, progress, lr_at(progress.trained_steps, args))
+        else:
+            progress, row, examples = train_step(run, progress)
         # Every rank must stop at the same step (or the others hang in the next collective), and
         # their clocks differ (rank 0 alone writes): the decisions are maxed over ranks.
         by_time = args.checkpoint_minutes and time.monotonic() - last_save > args.checkpoint_minutes * 60

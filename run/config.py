@@ -45,6 +45,11 @@ CPU_DEFAULTS = {
                            # would be all wrong and carry no signal
 }
 
+# The supervised warm start on the same CPU: a step is one batch of --prompts-per-step examples
+# and one update (no rollout: a step takes a fraction of a second), at the RL run's rate.
+CPU_SFT = {"lr": 1e-5, "warmup_steps": 2, "steps": 45, "lr_schedule": "cosine"}
+CPU_PRESETS = ("dapo", "dapo-memory", "opd", "sft")  # without --model: the CPU's settings
+
 
 def build_parser():
     """train.py's command line: one argument group per concern, every flag with its help."""
@@ -113,6 +118,15 @@ def model_flags(g):
     g.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard weights, gradients and AdamW state over the ranks "
                         "(FSDP2) instead of a full copy on each (DDP); see the README")
+    g.add_argument("--teacher", default=None,
+                   help="on-policy distillation (variants/distill.py): a model of the same tokenizer "
+                        "(anything --model takes) whose log-probs of the student's tokens give each "
+                        "token an advantage, log pi_teacher - log pi_student")
+    g.add_argument("--teacher-coef", type=float, default=1.0,
+                   help="--teacher: the weight of the teacher's term in each token's advantage")
+    g.add_argument("--verifier-coef", type=float, default=1.0,
+                   help="--teacher: the weight of the verifier's advantage beside it (0: the "
+                        "teacher's alone, the opd preset)")
     g.add_argument("--ref", default="frozen", choices=["frozen", "lora-off"],
                    help="reference policy for KL/GKL/DPO: a frozen copy, or the LoRA base")
     g.add_argument("--router-aux-coef", type=float, default=0.0,
@@ -239,7 +253,9 @@ def correction_flags(g):
 
 
 def algorithm_flags(g):
-    g.add_argument("--algo", default="pg", choices=["pg", "dpo"], help="policy gradient or DPO")
+    g.add_argument("--algo", default="pg", choices=["pg", "dpo", "sft"],
+                   help="policy gradient, DPO, or supervised fine-tuning on the data's completions "
+                        "(variants/sft.py)")
     g.add_argument("--adv-estimator", default="grpo", choices=list(dapo.ADVANTAGE_ESTIMATORS),
                    help="advantage estimator (reinforce_pp: REINFORCE++, one per token)")
     g.add_argument("--gamma", type=float, default=1.0,
@@ -321,8 +337,8 @@ def parse_config(argv=None):
         refuse_changed_model(args, explicit, saved, parser)
     else:
         saved = dict(dapo.PRESETS[args.preset])
-        if args.model is None and args.preset in ("dapo", "dapo-memory"):
-            saved.update(CPU_DEFAULTS)  # the offline default run (see CPU_DEFAULTS)
+        if args.model is None and args.preset in CPU_PRESETS:
+            saved.update(CPU_DEFAULTS if args.preset != "sft" else CPU_SFT)  # the offline runs
     for key, value in saved.items():
         if key not in explicit:
             setattr(args, key, value)
@@ -350,6 +366,8 @@ def refuse_inert_flags(args, explicit, parser):
             "reward_kl_coef": ("--adv-estimator reinforce_pp", args.adv_estimator == "reinforce_pp"),
             "gamma": ("--adv-estimator reinforce_pp", args.adv_estimator == "reinforce_pp"),
             "reward_timeout": ("--reward", bool(args.reward)),  # (a task's own reward is ours)
+            "teacher_coef": ("--teacher", bool(args.teacher)),
+            "verifier_coef": ("--teacher", bool(args.teacher)),
             # the clip range: the clipped objectives' (KL-Cov and SAPO have none)
             "eps_low": ("a clipped --objective", args.objective not in ("kl-cov", "sapo")),
             "eps_high": ("a clipped --objective", args.objective not in ("kl-cov", "sapo"))}
@@ -389,7 +407,7 @@ NONNEGATIVE_INTS = ["seed", "checkpoint_every", "lora_rank", "eval_every", "max_
 POSITIVE_FLOATS = ["lora_alpha", "temperature", "overlong_cache", "eval_temperature",
                    "ppl_window", "gkl_gamma", "gkl_temperature", "gkl_weight_temperature",
                    "dpo_beta", "lr", "grad_clip", "sapo_tau_pos", "sapo_tau_neg", "cov_fraction"]
-NONNEGATIVE_FLOATS = ["time_limit", "checkpoint_minutes", "format_weight", "ppl_threshold", "efficiency_weight",
+NONNEGATIVE_FLOATS = ["teacher_coef", "verifier_coef", "time_limit", "checkpoint_minutes", "format_weight", "ppl_threshold", "efficiency_weight",
                       "eps_high", "entropy_coef", "kl_coef", "gkl_alpha", "gkl_beta",
                       "weight_decay", "tis_cap", "tis_floor", "tis_reject_bound", "router_aux_coef",
                       "kl_cov_coef", "reward_kl_coef", "kv_budget", "plan_only", "reward_timeout"]
@@ -481,6 +499,15 @@ def refuse_combinations(args, parser):
         parser.error(f"--adv-estimator reinforce_pp gives each token its own advantage; "
                      f"{'--algo dpo' if args.algo == 'dpo' else '--objective ' + args.objective} "
                      "takes one per sequence")
+    if args.algo == "sft" and str(args.data).startswith(("memory", "countdown")):
+        parser.error(f"--algo sft learns given completions; {args.data}'s answer is not a reply to "
+                     "learn (episodes in turns, an expression to find): use a file of completions")
+    if not args.teacher and args.verifier_coef == 0:
+        parser.error("the opd preset (--verifier-coef 0) learns from a teacher's log-probs alone: "
+                     "give --teacher MODEL")
+    if args.teacher and args.algo != "pg":
+        parser.error(f"--teacher scores the policy's own samples for a policy-gradient update; "
+                     f"--algo {args.algo} has none: use --algo pg (the opd preset, or any pg preset)")
     if args.ref == "lora-off" and args.lora_rank == 0 and needs_reference(args):
         parser.error("--ref lora-off needs --lora-rank > 0")
     if args.quantize != "none" and args.lora_rank == 0:
@@ -618,9 +645,10 @@ def check_rejection(args, parser):
 
 def reads_old_logprobs(args):
     """Whether pi_old is read before the update (REINFORCE++'s KL in the reward, the rollout
-    correction's batch mean and rejection): then step 3 scores it even at one update a step."""
+    correction's batch mean and rejection, --teacher's advantage): then step 3 scores it even at
+    one update a step."""
     return (args.adv_estimator == "reinforce_pp" and args.reward_kl_coef > 0) \
-        or args.tis_normalize or bool(args.tis_reject)
+        or args.tis_normalize or bool(args.tis_reject) or bool(getattr(args, "teacher", None))
 
 
 def objective_settings(args, chosen=None):

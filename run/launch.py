@@ -38,7 +38,7 @@ from run import checkpoints, config, evaluation, memory_plan, runs, sharding, tr
 from run.checkpoints import load_model, save_model
 from run.distributed import from_rank0, gather, setup_distributed
 from tasks import countdown, episodes
-from variants import quantize
+from variants import distill, quantize, sft
 from variants.lora import add_lora
 
 # ---- what a run holds ----------------------------------------------------------------------------
@@ -66,6 +66,7 @@ class Run:
     tracker: tracking.Tracker = tracking.Tracker([], None, {})  # --report-to (rank 0), else none
     reward_function: object = None  # --reward's (or a task's own), else None: the rule reward
     reward_parts: tuple = ()        # the names of its parts, logged as reward_<name>
+    teacher: torch.nn.Module = None  # --teacher's frozen model (variants/distill.py), else None
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,10 @@ def setup(args):
     except (OSError, ValueError) as e:
         sys.exit(f"train.py: --model: {e}")
     refuse_mismatches(args, model_config)
+    try:  # the teacher's tokenizer and config.json: a mismatch is refused before any weight loads
+        teacher_config = distill.check_teacher(args.teacher, args.model, tokenizer) if args.teacher else None
+    except (OSError, ValueError) as e:
+        sys.exit(f"train.py: --teacher: {e}")
     if getattr(args, "cuda_graphs", False) and model_config.num_experts:
         sys.exit("train.py: --cuda-graphs: an MoE's decode step groups tokens by expert on the "
                  "host, which a CUDA graph cannot replay")
@@ -193,6 +198,11 @@ def setup(args):
             args, model_config, bf16)
     except (OSError, ValueError) as e:
         sys.exit(f"train.py: --model: {e}")
+    try:
+        teacher = distill.load_teacher(args.teacher, device, bf16 and device.type == "cuda") \
+            if teacher_config else None
+    except (OSError, ValueError) as e:
+        sys.exit(f"train.py: --teacher: {e}")
     if writes and not args.resume:  # a new run: once its model and data passed their checks
         run_lock = claim_run_directory(args)
     if config.compiles_update(args, policy):
@@ -211,7 +221,7 @@ def setup(args):
         source=source, heldout=heldout, bf16=bf16, run_lock=run_lock,
         stream=data.PromptStream(source, args.prompts_per_step, seed=args.seed, rank=rank, world_size=world),
         variant_rng=random.Random(f"{args.seed}:adversarial:{rank}"),
-        reward_function=reward_function, reward_parts=tuple(reward_parts))
+        reward_function=reward_function, reward_parts=tuple(reward_parts), teacher=teacher)
 
 
 def task_reward_function(args, source):
@@ -454,6 +464,8 @@ def load_data(args, tokenizer, context):
         source = task.from_spec(args.data)
         if args.eval_data is None:
             heldout = source.heldout(args.eval_limit)
+    elif args.algo == "sft":  # prompts with the completions to learn, each fitting a row whole
+        source = sft.load_examples(args.data, args.template, tokenizer, stop_token_ids(tokenizer), room)
     else:
         source = data.load_records(args.data, tokenizer=tokenizer, template=args.template,
                                    max_prompt_tokens=max_train_prompt,
@@ -475,11 +487,15 @@ def describe(run):
     args = run.args
     params = sum(p.numel() for p in run.policy.parameters()) / 1e6
     precision = "bf16 rollouts and autocast updates, fp32 weights" if run.bf16 else "float32"
-    cpu = " with the CPU defaults" if args.model is None and args.preset in ("dapo", "dapo-memory") else ""
+    cpu = " with the CPU defaults" if args.model is None and args.preset in config.CPU_PRESETS else ""
     surrogate = f"SAPO gate {args.sapo_tau_pos}/{args.sapo_tau_neg}" if args.objective == "sapo" else \
         ("" if args.objective == "clip" else args.objective.upper() + " ") + f"clip {args.eps_low}/{args.eps_high}"
-    method = f"{args.algo} {args.adv_estimator}, {args.loss_agg}, {surrogate}" \
-        if args.algo == "pg" else f"DPO ({args.dpo_pairs} pairs), beta {args.dpo_beta}"
+    method = {"pg": f"{args.algo} {args.adv_estimator}, {args.loss_agg}, {surrogate}",
+              "dpo": f"DPO ({args.dpo_pairs} pairs), beta {args.dpo_beta}",
+              "sft": "SFT, the completions' mean negative log-likelihood"}[args.algo]
+    if args.teacher:
+        method += (f", teacher {args.teacher} x {args.teacher_coef:g} (verifier's advantage x "
+                   f"{args.verifier_coef:g})")
     return "\n".join([
         f"model     {args.model or 'bundled SmolLM2-135M-Instruct'}: {params:.0f}M parameters, "
         f"{precision}" + (f", LoRA rank {args.lora_rank}" if args.lora_rank else "")
@@ -491,8 +507,9 @@ def describe(run):
         f"reward    {answer_format(run)}",
         f"method    preset {args.preset}{cpu}: {method}, dynamic sampling "
         f"{'on' if args.dynamic_sampling else 'off'}",
-        f"each step {args.prompts_per_step} prompts x {args.samples} samples of <= "
-        f"{args.max_new_tokens} tokens, up to {args.mini_batches} update(s), lr {args.lr:g} ({args.lr_schedule})",
+        (f"each step {args.prompts_per_step} examples" if args.algo == "sft" else
+         f"each step {args.prompts_per_step} prompts x {args.samples} samples of <= {args.max_new_tokens} tokens")
+        + f", up to {args.mini_batches} update(s), lr {args.lr:g} ({args.lr_schedule})",
         f"length    {args.steps} steps" + (f" or {args.time_limit:g} training minutes" if args.time_limit else ""),
         f"run       {args.out} (every flag: config.json)"])
 
@@ -628,8 +645,9 @@ def log_step(run, progress, row, examples, bar, watch):
     run.tracker.log_samples(examples, row["step"])
     bar.update(1)
     limit = f"/{args.time_limit:g}" if args.time_limit else ""
-    bar.set_postfix_str(f"acc {row['accuracy']:.2f} kept {row['groups_kept']}/{row['groups_sampled']} "
-                        f"len {row['response_length']:.0f} | {progress.train_seconds / 60:.1f}{limit} min")
+    now = f"loss {row['loss']:.3f}" if args.algo == "sft" else \
+        f"acc {row['accuracy']:.2f} kept {row['groups_kept']}/{row['groups_sampled']} len {row['response_length']:.0f}"
+    bar.set_postfix_str(f"{now} | {progress.train_seconds / 60:.1f}{limit} min")
 
 
 def print_seconds(step, row):

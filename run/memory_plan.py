@@ -4,7 +4,10 @@ and `--plan-only` prints it alone. The arithmetic, P parameters (P_t of them tra
 
   state     fp32 weights 4P, gradients 4P_t, AdamW's two moments 8P_t, and under DDP its gradient
             buckets 4P_t (the copy it all-reduces); under FSDP (FSDP2) these are split over the
-            ranks; the sampler's bf16 copy 2P (whole on every rank); a frozen reference 4P
+            ranks; the sampler's bf16 copy 2P (whole on every rank); a frozen reference 4P;
+            --teacher's model, P_T of its own parameters, whole on every rank: 2P_T in bf16 on
+            a GPU under bf16, else 4P_T (its scoring pass keeps nothing for backward: its
+            working set, a block's and the head's chunk, is below the update's)
   update    autocast's bf16 copies of the weights, held from the forward to the backward, 2P
             (under FSDP the gathered weights instead: the root's and two blocks');
             the largest micro-batch's activations kept for backward, N tokens x a, where a block
@@ -174,13 +177,14 @@ def plan(cfg: ModelConfig, *, world: int, distributed: bool, fsdp: bool, bf16: b
          lora_rank: int, reference: bool, rows: int, longest_row: int, micro_batch_size: int,
          micro_batch_tokens: int, checkpointing: bool, kv_budget: float = 0.0,
          capacity: float | None = None, cuda_graphs: bool = False, kept_rows: bool = False,
-         max_rows: int = 0, draw: int = 16) -> list[Term]:
+         max_rows: int = 0, draw: int = 16, teacher: tuple = (0, 4)) -> list[Term]:
     """The terms of one rank's memory: `rows` its rollout rows a step (`max_rows` of them
     decoding at once where given), `capacity` the device's bytes where known (the KV pool then
     holds what is left, as paged.pool_blocks sizes it), `cuda_graphs` whether the decode steps
     replay as CUDA graphs (their pool is memory apart), `kept_rows` whether they keep the rows
     gathered (a CPU's eager steps: speed.KeptRowsKVCache), `draw` the draw's bytes a row a
-    vocabulary entry (paged.draw_bytes of the sampling flags)."""
+    vocabulary entry (paged.draw_bytes of the sampling flags), `teacher` the --teacher's
+    (parameters, bytes a parameter): (0, _) for none."""
     P, trained = parameter_counts(cfg, lora_rank)
     split = world if fsdp else 1  # FSDP2 shards weights, gradients and optimizer state
     over = f" / {world} ranks" if fsdp else ""
@@ -194,6 +198,8 @@ def plan(cfg: ModelConfig, *, world: int, distributed: bool, fsdp: bool, bf16: b
         terms.append(Term("state", "sampler copy", width * P, f"{width} B x {millions(P)}"))
     if reference:
         terms.append(Term("state", "reference", 4 * P / split, f"4 B x {millions(P)}{over}"))
+    if teacher[0]:
+        terms.append(Term("state", "teacher", teacher[1] * teacher[0], f"{teacher[1]} B x {millions(teacher[0])}"))
     if fsdp:  # gathered in the compute dtype (bf16 on CUDA with bf16: sharding.shard's policy)
         whole, width = gathered_parameters(cfg), 2 if bf16 else 4
         terms.append(Term("update", "gathered weights", width * whole,
@@ -310,8 +316,18 @@ def for_run(args, cfg: ModelConfig, *, world: int, distributed: bool, cuda: bool
                  capacity=capacity, cuda_graphs=graphs, max_rows=args.max_rows,
                  # (kept where every row fits half the host's memory: paged.default_kv_budget)
                  kept_rows=bool(not cuda and not args.kv_budget and eager),
-                 draw=draw_bytes(args.temperature, args.top_p))
+                 draw=draw_bytes(args.temperature, args.top_p), teacher=teacher_size(args, cuda))
     return terms, longest_row, bf16
+
+
+def teacher_size(args, cuda: bool) -> tuple:
+    """--teacher's (parameters, bytes a parameter) from its config.json (distill.load_teacher's
+    dtype); (0, 4) without one."""
+    if not getattr(args, "teacher", None):
+        return 0, 4
+    from run import checkpoints
+    parameters, _ = parameter_counts(checkpoints.load_config(args.teacher))
+    return parameters, 2 if config.uses_bf16(args, cuda) and cuda else 4
 
 
 def device_capacity(device) -> float | None:
@@ -348,6 +364,10 @@ def plan_only(args, load_data) -> int:
         cfg = checkpoints.load_config(args.model)
     except (OSError, ValueError) as e:
         raise SystemExit(f"train.py: --model: {e}")
+    try:
+        teacher_size(args, True)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"train.py: --teacher: {e}")
     local = str(args.data).startswith(("arithmetic", "memory", "countdown")) or \
         os.path.exists(str(args.data))  # (the tasks made here, or a file)
     try:  # the data's longest prompt, where the tokenizer and the data are here (a hub dataset is
