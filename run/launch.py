@@ -172,7 +172,7 @@ def setup(args):
     try:  # the teacher's tokenizer and config.json: a mismatch is refused before any weight loads
         teacher_config = distill.check_teacher(args.teacher, args.model, tokenizer) if args.teacher else None
     except (OSError, ValueError) as e:
-        sys.exit(f"train.py: --teacher: {e}")
+        sys.exit(f"train.py: --teacher: {runs.first_line(e)}")
     if getattr(args, "cuda_graphs", False) and model_config.num_experts:
         sys.exit("train.py: --cuda-graphs: an MoE's decode step groups tokens by expert on the "
                  "host, which a CUDA graph cannot replay")
@@ -202,7 +202,7 @@ def setup(args):
         teacher = distill.load_teacher(args.teacher, device, bf16 and device.type == "cuda") \
             if teacher_config else None
     except (OSError, ValueError) as e:
-        sys.exit(f"train.py: --teacher: {e}")
+        sys.exit(f"train.py: --teacher: {runs.first_line(e)}")
     if writes and not args.resume:  # a new run: once its model and data passed their checks
         run_lock = claim_run_directory(args)
     if config.compiles_update(args, policy):

@@ -28,8 +28,8 @@ from run import checkpoints
 def check_teacher(teacher, student, student_tokenizer):
     """The teacher's config, read before any weight, once its tokenizer is the student's (the
     same ids for the same text, the same special tokens); ValueError naming both otherwise."""
+    config = checkpoints.load_config(teacher)  # (first: "no config.json" says what is missing)
     teacher_tokenizer = checkpoints.load_tokenizer(teacher)
-    config = checkpoints.load_config(teacher)
     ours, theirs = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
     if ours != theirs:
         differ = sorted(set(ours.items()) ^ set(theirs.items()), key=str)[:3]
