@@ -157,7 +157,8 @@ def train_step(run, progress):
     sampled_at = time.perf_counter()
     rollout_peak = launch.peak_memory_mib(args) if args.device.type == "cuda" else None
     batch = with_old_logprobs(run, collected.kept)                       # 3
-    batch = distill.with_teacher(run, with_advantages(run, batch), scored_logprobs)  # 4
+    batch = with_advantages(run, batch)                                  # 4
+    batch = distill.with_teacher(run, batch, scored_logprobs)  # --teacher: its term a token
     scored_at = time.perf_counter()
     run.policy.train()
     update_sums, update_maxima = update(run, batch, progress.step)       # 5
@@ -167,12 +168,13 @@ def train_step(run, progress):
     seconds = {"rollout": sampled_at - start, "scoring": scored_at - sampled_at,
                "update": updated_at - scored_at, "refresh": end - updated_at}
     done = Rollouts.concat(collected.sampled) if collected.sampled else STAND_IN.select([])
-    row = metrics.step_metrics(run, progress, collected._replace(kept=batch), done, update_sums,  # 6
+    row = metrics.step_metrics(run, progress, collected, done, update_sums,  # 6
                                {**update_maxima, "peak_memory_mib": launch.peak_memory_mib(args)},
                                seconds)
 
     if rollout_peak is not None:  # this rank's, beside the step's (memory_plan.py's two phases)
         row["peak_memory_mib_rollout"] = rollout_peak
+    row.update(distill.logged(run, batch))  # --teacher: log pi_student - log pi_teacher a token
     row["accuracy_ema"] = ema = data.curriculum_step(run.source, progress.accuracy_ema,
                                                      row["accuracy"], args.curriculum)
     progress = replace(progress, step=progress.step + 1, updates=row["updates"],
@@ -361,8 +363,7 @@ def update(run, batch, step=0):
     args, count = run.args, update_count(run, batch)
     if args.algo == "dpo":
         return reference.dpo_update(run, batch, count)
-    # The prompts' ids over all ranks, for the per-prompt aggregation: this rank's come after the
-    # groups of the ranks before it.
+    # Prompt ids over all ranks for the per-prompt aggregation (this rank's after the ranks' before)
     first_group = sum(gather(batch.num_groups, run.world)[:run.rank]) \
         if args.loss_agg == "group-token-mean" else None
     sums, maxima = {}, {}
@@ -384,8 +385,7 @@ def update(run, batch, step=0):
         for k, (mb, divisor, choice) in enumerate(zip(micro, divisors, chosen)):
             with distributed.accumulating(run.model, last=k == len(micro) - 1), precision():
                 loss, mb_sums, mb_maxima = policy_gradient_loss(run, mb, divisor, choice)
-                # DDP and FSDP average gradients over ranks; the divisors are already global, so
-                # scale back up to make that average a sum (the update then equals one device's).
+                # DDP/FSDP average gradients over ranks; the divisors are global: x world, a sum
                 (loss * run.world).backward()
             loss_sum += float(loss.detach())
             sums, maxima = add(sums, mb_sums), top(maxima, mb_maxima)

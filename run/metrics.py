@@ -58,9 +58,6 @@ def step_metrics(run, progress, collected, done, update_sums, update_maxima, sec
                                                     kept.group_sizes).sum()),
             "update_tokens": sum(len(p) + len(t) for p, t in zip(kept.prompts, kept.tokens)),
             **update_sums}
-    if run.teacher is not None:  # (distill.with_teacher's part of each kept row: its tokens' mean)
-        sums.update(teacher_kl=sum(p["teacher_kl"] * len(t) for p, t in zip(kept.reward_parts, kept.tokens)),
-                    teacher_tokens=sum(len(t) for t in kept.tokens))
     # The largest context of a turn, prompt and completion: what a turn's budget must hold.
     context = max((len(p) + len(t) for p, t in zip(done.prompts, done.tokens)), default=0)
     total = reduce_metrics(sums, {"rounds": len(sampled), "context_max": context, **update_maxima})
@@ -92,8 +89,6 @@ def step_metrics(run, progress, collected, done, update_sums, update_maxima, sec
     if args.tis_reject:  # the share of would-be loss tokens the rejection rule took out
         rejected = total.get("tis_rejected", 0.0)
         row["tis_rejected_frac"] = rejected / max(1.0, tokens + rejected)
-    if run.teacher is not None:  # --teacher: log pi_S - log pi_T, a mean over the kept tokens
-        row["teacher_kl"] = total["teacher_kl"] / max(1.0, total["teacher_tokens"])
     if "router_aux_batches" in total:  # an MoE policy
         row["router_aux_loss"] = total["router_aux_loss"] / max(1.0, total["router_aux_batches"])
     if args.algo == "dpo":

@@ -7,4 +7,6 @@
   harder variants of solved prompts, a sampling budget by difficulty.
 - `lora.py`, `quantize.py`: LoRA adapters; the frozen base in 4-bit NormalFloat.
 - `moe.py`: Mixture-of-Experts MLPs (the model's, for Qwen3-MoE and Mixtral), routing replay.
+- `sft.py`: supervised fine-tuning on given completions, a step of its own kind (--algo sft).
+- `distill.py`: on-policy distillation, a teacher's per-token term in the advantage (--teacher).
 """

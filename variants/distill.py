@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 
 from run import checkpoints
+from run.distributed import all_reduce
 
 
 def check_teacher(teacher, student, student_tokenizer):
@@ -73,3 +74,13 @@ def with_teacher(run, batch, scored_logprobs):
           if t else 0.0 for old, t in zip(batch.old_logprobs, teacher)]
     return replace(batch, advantages=advantages,
                    reward_parts=[{**parts, "teacher_kl": k} for parts, k in zip(batch.reward_parts, kl)])
+
+
+def logged(run, batch):
+    """The step's teacher_kl for metrics.jsonl: the mean of log pi_S - log pi_T over the kept
+    tokens of every rank (with_teacher's parts); {} without a teacher."""
+    if run.teacher is None:
+        return {}
+    total = all_reduce(torch.tensor([sum(p["teacher_kl"] * len(t) for p, t in zip(batch.reward_parts, batch.tokens)),
+                                     float(sum(len(t) for t in batch.tokens))], dtype=torch.float64))
+    return {"teacher_kl": float(total[0] / total[1].clamp(min=1))}
