@@ -14,6 +14,9 @@
 # Re-running a recipe resumes: finished runs are kept, interrupted ones continue (--resume).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# An arm that is not a preset of its own: ARM_PRESET[arm] its preset, ARM_FLAGS[arm] flags added to
+# its runs ({seed} stands for the run's seed).
+declare -A ARM_PRESET=() ARM_FLAGS=()
 
 run_study() {
     local name=$1 size=${SIZE:-cpu} python=${PYTHON:-python}
@@ -48,7 +51,9 @@ run_study() {
             elif [ -e "$dir/config.json" ]; then
                 command="$launch --resume $dir"
             else
-                command="$launch --preset $arm --seed $seed --out $dir $flags ${EXTRA:-}"
+                command="$launch --preset ${ARM_PRESET[$arm]:-$arm} --seed $seed --out $dir $flags"
+                command="$command ${ARM_FLAGS[$arm]:-} ${EXTRA:-}"
+                command=${command//\{seed\}/$seed}
             fi
             wait_for_runs "$jobs"  # JOBS > 1: a free slot
             echo "+" $command  # one line: the flags as the shell splits them

@@ -313,18 +313,27 @@ def test_the_readme_gpu_commands_fit_an_80gb_gpu_on_paper(tmp_path, monkeypatch,
     commands = readme_gpu_commands()
     assert len(commands) >= 3
     for ranks, argv in commands:
-        model = argv[argv.index("--model") + 1]
-        size = model.split("Qwen2.5-")[1].split("-")[0]
-        directory = tmp_path / size
-        directory.mkdir(exist_ok=True)
-        (directory / "config.json").write_text(json.dumps(qwen25_config(size)))
-        argv = [str(directory) if a == model else a for a in argv]
+        argv = with_local_configs(argv, tmp_path)
         args, _ = config.parse_config(argv + ["--plan-only", "80"])
         monkeypatch.setenv("WORLD_SIZE", str(ranks))
         status = mp.plan_only(args, launch.load_data)
         printed = capsys.readouterr().out
         assert status == 0 and printed.rstrip().endswith("fits"), (argv, printed)
         assert f"({ranks} rank(s), GPUs of 80.00 GiB" in printed and "prompts at their bound" in printed
+
+
+def with_local_configs(argv, tmp_path):
+    """argv with each Qwen2.5 hub id of --model and --teacher replaced by a directory holding its
+    config.json alone."""
+    argv = list(argv)
+    for flag in ("--model", "--teacher"):
+        if flag in argv:
+            size = argv[argv.index(flag) + 1].split("Qwen2.5-")[1].split("-")[0]
+            directory = tmp_path / size
+            directory.mkdir(exist_ok=True)
+            (directory / "config.json").write_text(json.dumps(qwen25_config(size)))
+            argv[argv.index(flag) + 1] = str(directory)
+    return argv
 
 
 def test_plan_only_exits_1_when_the_gpu_is_too_small(tmp_path, monkeypatch, capsys):
@@ -378,20 +387,19 @@ def readme_plan_table() -> dict:
 def test_the_readme_gpu_commands_train_on_enough_samples_as_the_plan_table_says(tmp_path,
                                                                                monkeypatch, capsys):
     """Every README GPU command trains on at least 256 samples an optimizer update (prompts x
-    samples / mini-batches, the preset's where the command sets none), and has its row in
-    MEASUREMENTS.md's plan table with the same flags and the peaks --plan-only prints; every row
+    samples / mini-batches, the preset's where the command sets none; SFT on 64 examples), and
+    has its row in MEASUREMENTS.md's plan table with the same flags and the peaks --plan-only prints; every row
     of the table but the refused one is a README command."""
     table, seen = readme_plan_table(), set()
     for ranks, argv in readme_gpu_commands():
-        model = argv[argv.index("--model") + 1]
-        size = model.split("Qwen2.5-")[1].split("-")[0]
-        (tmp_path / "config.json").write_text(json.dumps(qwen25_config(size)))
-        args, _ = config.parse_config([str(tmp_path) if a == model else a for a in argv]
-                                      + ["--plan-only", "80"])
-        per_update = args.prompts_per_step * args.samples // args.mini_batches
-        assert per_update >= 256, (argv, per_update)
+        size = argv[argv.index("--model") + 1].split("Qwen2.5-")[1].split("-")[0]
+        args, _ = config.parse_config(with_local_configs(argv, tmp_path) + ["--plan-only", "80"])
+        sft = args.algo == "sft"  # an SFT update: its examples (the samples are the evaluation's)
+        per_update = args.prompts_per_step * (1 if sft else args.samples) // args.mini_batches
+        assert per_update >= (64 if sft else 256), (argv, per_update)
         gpus = f"{ranks} {'FSDP' if args.fsdp else 'DDP'}" if ranks > 1 else "1"
-        key = (size, args.data.split(":")[0], gpus, f"{args.prompts_per_step} x {args.samples} x "
+        teacher = f" ({argv[argv.index('--teacher') + 1].split('/')[-1]} teaches)" if args.teacher else ""
+        key = (size + teacher, args.data.split(":")[0] + (" (SFT)" if args.algo == "sft" else ""), gpus, f"{args.prompts_per_step} x {args.samples} x "
                f"{args.max_new_tokens:,} / {args.mini_batches}")
         assert key in table, (key, sorted(table))
         monkeypatch.setenv("WORLD_SIZE", str(ranks))
