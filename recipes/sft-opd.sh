@@ -18,8 +18,13 @@ if [ "${SIZE:-cpu}" = gpu ]; then
 else
     TEACHER=${TEACHER:-$OUT/teacher/final}
     SFT_FLAGS="--data arithmetic --steps 20 --eval-limit 50 --eval-every 10 --time-limit 0"
-    [ -e "$TEACHER/config.json" ] || ${PYTHON:-python} train.py --out "${TEACHER%/final}" --time-limit 0
 fi
+stage() {  # a run the arms start from, once: said under DRY_RUN, run otherwise
+    [ -e "$1/final/config.json" ] && return
+    shift
+    if [ -n "${DRY_RUN:-}" ]; then echo "  (first) $*"; else "$@"; fi
+}
+[ "${SIZE:-cpu}" = gpu ] || stage "${TEACHER%/final}" ${PYTHON:-python} train.py --out "${TEACHER%/final}" --time-limit 0
 CPU_FLAGS="--data arithmetic --max-new-tokens 64 --prompts-per-step 8 --samples 8 --steps 10
            --lr 1e-5 --lr-schedule cosine --warmup-steps 2 --temperature 0.8 --mini-batches 4
            --max-refills 0 --overlong-cache 0.25 --eval-limit 50 --eval-every 5 --time-limit 0"
@@ -31,8 +36,7 @@ ARM_FLAGS=([opd]="--teacher $TEACHER --label opd" [opd+dapo]="--teacher $TEACHER
            [sft+dapo]="--model $OUT/sft-s{seed}/final --label sft+dapo")
 if [[ " $ARMS " == *" sft+dapo "* ]]; then  # the warm starts, one a seed, before the arms
     for seed in ${SEEDS:-0 1 2}; do
-        [ -e "$OUT/sft-s$seed/final/config.json" ] || [ -n "${DRY_RUN:-}" ] ||
-            ${PYTHON:-python} train.py --preset sft --seed "$seed" --out "$OUT/sft-s$seed" $SFT_FLAGS
+        stage "$OUT/sft-s$seed" ${PYTHON:-python} train.py --preset sft --seed "$seed" --out "$OUT/sft-s$seed" $SFT_FLAGS
     done
 fi
 run_study sft-opd

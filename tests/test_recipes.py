@@ -42,6 +42,24 @@ def test_every_command_of_a_recipe_parses(name, size, tmp_path):
         config.parse_config(argv[argv.index("train.py") + 1:])  # a bad flag exits here
 
 
+@pytest.mark.parametrize("size", ["cpu", "gpu"])
+def test_the_sft_and_distillation_study_parses_and_trains_its_stages_first(size, tmp_path):
+    """recipes/sft-opd.sh: its 4 arms x 3 seeds parse (the teacher and the warm starts as --teacher
+    and --model), and the runs they start from, the teacher (on a CPU) and an SFT run a seed, are
+    named first, not run, under DRY_RUN."""
+    from run import config
+    proc = recipe("sft-opd.sh", tmp_path, SIZE=size, DRY_RUN="1")
+    assert proc.returncode == 0, proc.stderr
+    runs = [line[2:] for line in proc.stdout.splitlines() if line.startswith("+ ") and "--preset" in line]
+    firsts = [line for line in proc.stdout.splitlines() if line.startswith("  (first) ")]
+    assert len(runs) == 12 and len(firsts) == 3 + (size == "cpu") and not (tmp_path / "runs").exists()
+    for command in runs:
+        argv = shlex.split(command)
+        args, _ = config.parse_config(argv[argv.index("train.py") + 1:])
+        assert (args.teacher is not None) == (args.label in ("opd", "opd+dapo"))
+        assert (args.label == "sft+dapo") == ("sft-s" in str(args.model))
+
+
 def test_a_few_arms_of_a_recipe(tmp_path):
     """ARMS picks the presets (a grid that fits the time), the rest of the recipe unchanged."""
     proc = recipe("grpo-vs-dpo.sh", tmp_path, ARMS="grpo dpo", DRY_RUN="1")
