@@ -19,12 +19,18 @@ else
     TEACHER=${TEACHER:-$OUT/teacher/final}
     SFT_FLAGS="--data arithmetic --steps 20 --eval-limit 50 --eval-every 10 --time-limit 0"
 fi
-stage() {  # a run the arms start from, once: said under DRY_RUN, run otherwise
-    [ -e "$1/final/config.json" ] && return
+stage() {  # a run the arms start from, once (resumed where it stopped): said under DRY_RUN
+    local dir=$1
     shift
-    if [ -n "${DRY_RUN:-}" ]; then echo "  (first) $*"; else "$@"; fi
+    [ -e "$dir/final/config.json" ] && return
+    [ -e "$dir/config.json" ] && set -- ${PYTHON:-python} train.py --resume "$dir"
+    if [ -n "${DRY_RUN:-}" ]; then echo "  (first) $*"; else train_one "$dir" "$@"; fi
 }
-[ "${SIZE:-cpu}" = gpu ] || stage "${TEACHER%/final}" ${PYTHON:-python} train.py --out "${TEACHER%/final}" --time-limit 0
+# The teacher is trained here only where it is this recipe's own ($TEACHER not given) and an arm
+# distills from it.
+if [ "${SIZE:-cpu}" = cpu ] && [ "$TEACHER" = "$OUT/teacher/final" ] && [[ " $ARMS " == *" opd"* ]]; then
+    stage "$OUT/teacher" ${PYTHON:-python} train.py --out "$OUT/teacher" --time-limit 0
+fi
 CPU_FLAGS="--data arithmetic --max-new-tokens 64 --prompts-per-step 8 --samples 8 --steps 10
            --lr 1e-5 --lr-schedule cosine --warmup-steps 2 --temperature 0.8 --mini-batches 4
            --max-refills 0 --overlong-cache 0.25 --eval-limit 50 --eval-every 5 --time-limit 0"

@@ -355,8 +355,21 @@ def parse_config(argv=None):
     return args, explicit
 
 
+# What only a step that samples and scores acts on: an SFT step reads neither (it learns given
+# completions), so any of these given with --algo sft is refused rather than ignored.
+RL_ONLY = ("samples", "temperature", "top_p", "kl", "kl_coef", "eps_low", "eps_high", "clip_c",
+           "objective", "adv_estimator", "loss_agg", "dynamic_sampling", "max_refills", "keep_surplus",
+           "adversarial", "overlong_penalty", "overlong_filter", "overlong_cache", "ppl_penalty",
+           "tis_cap", "tis_reject", "high_entropy_fraction", "entropy_coef", "correct_reward",
+           "wrong_reward", "router_aux_coef", "routing_replay", "dpo_beta", "dpo_pairs")
+
+
 def refuse_inert_flags(args, explicit, parser):
     """A flag given explicitly that the rest of the configuration would ignore is refused by name."""
+    for key in RL_ONLY if args.algo == "sft" else ():
+        if key in explicit:
+            parser.error(f"--{key.replace('_', '-')} acts in a step that samples and scores its "
+                         "replies; --algo sft learns given completions (no samples, rewards or ratios)")
     acts = {"cov_fraction": ("--objective clip-cov or kl-cov", args.objective in objectives.CHOOSING),
             "clip_cov_low": ("--objective clip-cov", args.objective == "clip-cov"),
             "clip_cov_high": ("--objective clip-cov", args.objective == "clip-cov"),
@@ -505,6 +518,9 @@ def refuse_combinations(args, parser):
     if not args.teacher and args.verifier_coef == 0:
         parser.error("the opd preset (--verifier-coef 0) learns from a teacher's log-probs alone: "
                      "give --teacher MODEL")
+    if args.teacher and args.objective in objectives.SEQUENCE_LEVEL:
+        parser.error(f"--teacher gives each token its own advantage; --objective {args.objective} "
+                     "takes one per sequence")
     if args.teacher and args.algo != "pg":
         parser.error(f"--teacher scores the policy's own samples for a policy-gradient update; "
                      f"--algo {args.algo} has none: use --algo pg (the opd preset, or any pg preset)")

@@ -655,9 +655,13 @@ def print_seconds(step, row):
     peak = f", peak {row['peak_memory_mib'] / 1024:.2f} GiB" if "peak_memory_mib_rollout" not in row else \
         f", peak {row['peak_memory_mib_rollout'] / 1024:.2f} GiB in the rollout, " \
         f"{row['peak_memory_mib'] / 1024:.2f} GiB in the step"
-    print(f"step {step}: rollout {row['seconds_rollout']:.1f} s, scoring {row['seconds_scoring']:.1f} "
-          f"s, update {row['seconds_update']:.1f} s, sampler refresh {row['seconds_refresh']:.2f} s"
-          + peak, flush=True)
+    parts = [f"{name} {row['seconds_' + key]:.{digits}f} s" for key, name, digits in PARTS
+             if "seconds_" + key in row]  # (an SFT step has its update alone)
+    print(f"step {step}: {', '.join(parts)}" + peak, flush=True)
+
+
+PARTS = [("rollout", "rollout", 1), ("scoring", "scoring", 1), ("update", "update", 1),
+         ("refresh", "sampler refresh", 2)]
 
 
 def finish(run, progress):

@@ -354,7 +354,7 @@ def plan_only(args, load_data) -> int:
     `load_data(args, tokenizer, context)`). -> exit status: 1 when a GPU's size is known and the
     plan does not fit it."""
     import data
-    from run import checkpoints
+    from run import checkpoints, runs
     world, rank = os.environ.get("WORLD_SIZE", "1"), int(os.environ.get("RANK", "0"))
     if not (world.isascii() and world.isdigit()) or int(world) < 1:
         raise SystemExit(f"train.py: --plan-only plans for WORLD_SIZE ranks: a whole number >= 1, "
@@ -366,8 +366,8 @@ def plan_only(args, load_data) -> int:
         raise SystemExit(f"train.py: --model: {e}")
     try:
         teacher_size(args, True)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"train.py: --teacher: {e}")
+    except (OSError, ValueError) as e:  # (a traceback's text in one line)
+        raise SystemExit(f"train.py: --teacher: {runs.first_line(e)}")
     local = str(args.data).startswith(("arithmetic", "memory", "countdown")) or \
         os.path.exists(str(args.data))  # (the tasks made here, or a file)
     try:  # the data's longest prompt, where the tokenizer and the data are here (a hub dataset is

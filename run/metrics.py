@@ -122,7 +122,8 @@ class Watch:
 
     def check(self, row, examples):
         """The warnings this step's row (and its sample lines) completes. -> list of str"""
-        holds = {"truncated": row.get("truncated", 0) > 0.5,  # (an SFT step samples nothing) "no_signal": row.get("groups_with_signal") == 0,
+        holds = {"truncated": row.get("truncated", 0) > 0.5,  # (an SFT step samples nothing)
+                 "no_signal": row.get("groups_with_signal") == 0,
                  "no_answer": row.get("reward_extracted", 1.0) == 0 and not self.args.reward,
                  # every update of the step skipped: some, and the count made did not move
                  "skipped": row.get("skipped_updates", 0) > 0 and row.get("updates") == self.updates}

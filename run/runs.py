@@ -311,8 +311,10 @@ def plot(run_dirs):
     if not rows:
         sys.exit(f"runs.py: {run_dir}: no metrics.jsonl with a readable line there")
     fig, ax = pyplot.subplots(figsize=(7, 4))
-    ax.plot([r["train_seconds"] / 60 for r in rows], [r["accuracy"] for r in rows], ".", alpha=0.5,
-            label="training samples")
+    sampled = [r for r in rows if "accuracy" in r]  # (an SFT run's steps sample nothing)
+    if sampled:
+        ax.plot([r["train_seconds"] / 60 for r in sampled], [r["accuracy"] for r in sampled], ".",
+                alpha=0.5, label="training samples")
     ax.plot([e["train_seconds"] / 60 for e in evals], [e["pass@1"] for e in evals], "o-",
             label=f"held-out, greedy ({evals[0]['n']} problems)" if evals else "held-out")
     ax.set_xlabel("training minutes (evaluation excluded)")
@@ -420,8 +422,8 @@ def summary_table(loaded):
             [run["eval"][-1]["pass@1"] for run in group if run["eval"]],
             [max(e["pass@1"] for e in run["eval"]) for run in group if run["eval"]],
             [next((e["step"] for e in run["eval"] if e["pass@1"] >= target), math.nan) for run in group],
-            [_mean([r["tokens_per_second_rollout"] for r in run["metrics"]]) for run in group],
-            [_mean([r["tokens_per_second_update"] for r in run["metrics"]]) for run in group],
+            [_mean([r.get("tokens_per_second_rollout") for r in run["metrics"]]) for run in group],
+            [_mean([r.get("tokens_per_second_update") for r in run["metrics"]]) for run in group],
             [max((r["peak_memory_mib"] for r in run["metrics"] if r.get("peak_memory_mib")),
                  default=None) for run in group]]  # a run stopped before its first step: none
         formats = ["{:.1%}", "{:.1%}", "{:.0f}", "{:.0f}", "{:.0f}", "{:.0f}"]

@@ -257,7 +257,7 @@ def test_presets_use_known_keys_and_values():
         assert preset.get("adv_estimator", "grpo") in dapo.ADVANTAGE_ESTIMATORS
         assert preset.get("loss_agg", "token-mean") in AGGREGATIONS
         assert preset.get("kl", "none") in ("none", "k1", "k2", "k3", "gkl")
-        assert preset.get("algo", "pg") in ("pg", "dpo")
+        assert preset.get("algo", "pg") in ("pg", "dpo", "sft")
         assert preset.get("clip_c") is None or preset["clip_c"] > 1
 
 

@@ -153,6 +153,7 @@ def test_teacher_flags_are_checked(capsys):
     for argv, says in [(["--preset", "opd"], "give --teacher MODEL"),
                        (["--teacher-coef", "2"], "--teacher-coef acts only with --teacher"),
                        (["--teacher", "x", "--preset", "dpo"], "--algo dpo has none"),
+                       (["--teacher", "x", "--objective", "gspo"], "--objective gspo takes one per sequence"),
                        (["--teacher", "x", "--teacher-coef", "-1"], "--teacher-coef must be >= 0")]:
         with pytest.raises(SystemExit):
             config.parse_config(argv)

@@ -60,6 +60,18 @@ def test_the_sft_and_distillation_study_parses_and_trains_its_stages_first(size,
         assert (args.label == "sft+dapo") == ("sft-s" in str(args.model))
 
 
+def test_the_study_trains_a_teacher_only_for_its_own_opd_arms_and_resumes_a_stage(tmp_path):
+    """Without an opd arm, or with a --teacher of the user's, no teacher run is started; a warm
+    start that stopped midway (its config.json, no final/) is resumed, not started again."""
+    (tmp_path / "runs" / "sft-s1").mkdir(parents=True)
+    (tmp_path / "runs" / "sft-s1" / "config.json").write_text("{}")
+    for env in ({"ARMS": "dapo sft+dapo"}, {"TEACHER": "some/teacher"}):
+        proc = recipe("sft-opd.sh", tmp_path, DRY_RUN="1", SEEDS="1", **env)
+        firsts = [line for line in proc.stdout.splitlines() if line.startswith("  (first) ")]
+        assert proc.returncode == 0 and not any("teacher" in line for line in firsts), proc.stdout
+        assert firsts == [f"  (first) {sys.executable} train.py --resume {tmp_path / 'runs' / 'sft-s1'}"]
+
+
 def test_a_few_arms_of_a_recipe(tmp_path):
     """ARMS picks the presets (a grid that fits the time), the rest of the recipe unchanged."""
     proc = recipe("grpo-vs-dpo.sh", tmp_path, ARMS="grpo dpo", DRY_RUN="1")

@@ -17,6 +17,10 @@ from variants import sft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# test_train's flags less those an SFT step refuses (it samples nothing in training)
+SFT_BASE = [value for k, value in enumerate(BASE) if not {BASE[k], BASE[k - 1]} &
+            {"--samples", "--temperature", "--overlong-cache"}]
+
 CHAT = ("{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}"
         "{% if add_generation_prompt %}<s> {% endif %}")
 
@@ -92,6 +96,21 @@ def test_a_chat_reply_ends_with_the_templates_end_of_turn(tiny_chat):
                                     tokenizer, "none", [3])
     assert tokenizer.decode(prompt) == "<s> What is 3 + 4 ? </s> <s>"
     assert tokenizer.convert_ids_to_tokens(reply) == ["Answer:", "7", "</s>"]  # stops where it stopped
+
+
+def test_a_plain_prompts_reply_goes_on_from_its_answer_and_each_template_is_taught(tmp_path):
+    """A tokenizer without a chat template: the prompt ends "Answer:", so the synthetic task's
+    reply is " 7" then the EOS, not "Answer: Answer: 7"; the xml and boxed templates' replies
+    are in their own formats; no EOS at all leaves the reply unended rather than ending in None."""
+    from types import SimpleNamespace
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(digit_checkpoint(tmp_path / "plain"))
+    prompt, reply = sft.example_ids({"prompt": "What is 3 + 4 ?", "answer": "7"}, tokenizer, "none", [3])
+    assert tokenizer.decode(prompt).endswith("Answer:")
+    assert tokenizer.decode(reply[:-1]).strip() == "7" and reply[-1] == tokenizer.eos_token_id
+    assert sft.written_reply("", "7", "xml") == "<reasoning>\n\n</reasoning>\n<answer>\n7\n</answer>"
+    assert sft.written_reply("3 + 4", "7", "boxed") == "3 + 4\nThe final answer is $\\boxed{7}$."
+    assert sft.end_of_turn(SimpleNamespace(eos_token_id=None, chat_template=None), "none", [3]) == []
 
 
 # ---- the loss ----------------------------------------------------------------------------------
@@ -212,7 +231,7 @@ def test_resume_after_sigkill_is_bit_identical(tiny_chat, tmp_path):
     data_file = write_rows(tmp_path / "sft.jsonl", [SHAPES["messages"](a, b) for a, b in sums(40)])
     common = ["--preset", "sft", "--model", tiny_chat, "--data", data_file, "--steps", "30",
               "--checkpoint-every", "1", "--prompts-per-step", "4", "--eval-limit", "4",
-              "--eval-every", "10", "--max-new-tokens", "3"] + BASE
+              "--eval-every", "10", "--max-new-tokens", "3"] + SFT_BASE
     run_train(common + ["--out", str(tmp_path / "straight")])
     kill_then_resume(common, tmp_path / "killed")
     assert_same_run(tmp_path / "straight", tmp_path / "killed")
@@ -234,7 +253,27 @@ def test_bad_data_is_one_line_and_writes_nothing(tiny_chat, tmp_path, rows, says
 
 def test_sft_refuses_what_it_cannot_learn(capsys):
     for argv, says in [(["--preset", "sft", "--data", "countdown"], "learns given completions"),
-                       (["--preset", "sft", "--teacher", "x"], "--algo sft has none")]:
+                       (["--preset", "sft", "--teacher", "x"], "--algo sft has none"),
+                       (["--preset", "sft", "--kl", "k3"], "--kl acts in a step that samples"),
+                       (["--preset", "sft", "--samples", "4"], "--samples acts in a step that samples"),
+                       (["--preset", "sft", "--router-aux-coef", "0.01"], "--router-aux-coef acts in")]:
         with pytest.raises(SystemExit):
             config.parse_config(argv)
         assert says in capsys.readouterr().err
+
+
+def test_an_sft_run_is_plotted_tabled_and_benched(tmp_path, capsys):
+    """An SFT run's logs have no sampled replies: runs.py plots it alone and tables it beside an
+    RL run (its rollout column "-"), and --bench's line names its update alone."""
+    import shutil
+    from pathlib import Path
+    from run import runs
+    assets = Path(__file__).resolve().parent.parent / "assets" / "sft-opd-cpu"
+    for name in ("sft-s0", "dapo-s0"):
+        shutil.copytree(assets / name, tmp_path / name)
+    runs.plot([str(tmp_path / "sft-s0")])
+    assert (tmp_path / "sft-s0" / "curve.png").exists()
+    table = runs.summary_table([runs.load_run(str(tmp_path / n)) for n in ("sft-s0", "dapo-s0")])
+    assert table.splitlines()[2].startswith("| sft | 1 | 70.0% | 70.0% |") and "| - | 90 |" in table
+    launch.print_seconds(3, {"seconds_update": 1.25, "peak_memory_mib": 2048})
+    assert capsys.readouterr().out.strip().endswith("step 3: update 1.2 s, peak 2.00 GiB")

@@ -187,7 +187,8 @@ def test_every_preset_parses_and_flags_override():
     import dapo
     from run import config
     for name in dapo.PRESETS:
-        args, _ = config.parse_config(["--preset", name, "--model", "x"])
+        teacher = ["--teacher", "x"] if dapo.PRESETS[name].get("verifier_coef") == 0 else []  # opd
+        args, _ = config.parse_config(["--preset", name, "--model", "x"] + teacher)
         for key, value in dapo.PRESETS[name].items():
             assert getattr(args, key) == value, (name, key)
     args, explicit = config.parse_config(["--preset", "grpo", "--model", "x", "--kl-coef", "0.5"])

@@ -37,11 +37,13 @@ SHAPES = ("prompt + completion", "messages ending in an assistant reply", "GSM8K
           "answer", "MATH's problem + solution")
 
 
-def answer_line(answer, template):
-    """The last line of a reply in the format the template asks for (and the reward reads)."""
-    if template == "boxed":
-        return f"The final answer is $\\boxed{{{answer}}}$."
-    return f"Answer: {answer}"
+def written_reply(reasoning, answer, template):
+    """A reply in the format the template asks for (and the reward reads): the reasoning, then
+    the answer's line ("Answer: X", a \\boxed{} sentence, or the xml recipe's two tags)."""
+    if template == "xml":
+        return f"<reasoning>\n{reasoning}\n</reasoning>\n<answer>\n{answer}\n</answer>"
+    last = f"The final answer is $\\boxed{{{answer}}}$." if template == "boxed" else f"Answer: {answer}"
+    return f"{reasoning}\n{last}" if reasoning else last
 
 
 def example_from_row(row, source, number, template):
@@ -65,7 +67,7 @@ def example_from_row(row, source, number, template):
         reasoning, final = str(row["answer"]).rsplit("####", 1)
         reasoning = re.sub(r"<<[^>]*>>", "", reasoning).strip()  # its calculator annotations
         context = {"prompt": text_field(row, "question", where)}
-        completion = f"{reasoning}\n{answer_line(final.strip().replace(',', ''), template)}"
+        completion = written_reply(reasoning, final.strip().replace(",", ""), template)
     elif "problem" in row and "solution" in row:  # MATH: the solution ends in its \boxed{}
         context, completion = {"prompt": text_field(row, "problem", where)}, row["solution"]
     else:
@@ -110,24 +112,26 @@ def example_ids(example, tokenizer, template, stop_ids):
     """(prompt ids, completion ids) of an example (or a synthetic task's record, whose reply is
     "Answer: X"): the prompt as RL formats it; the completion as the model would write it, the
     chat template's end of turn included (so the model learns to stop)."""
-    completion = example.get("completion") or answer_line(example["answer"], template)
+    completion = example.get("completion") or written_reply("", example["answer"], template)
     prompt = data.format_prompt(example, tokenizer, template)
-    reply = tokenizer(completion if not data.is_plain_prompt(tokenizer, template) else " " + completion,
-                      add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    if data.is_plain_prompt(tokenizer, template):  # the prompt ends "Answer:": the reply goes on
+        completion = " " + completion.removeprefix("Answer:").lstrip()
+    reply = tokenizer(completion, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     return prompt, list(reply) + end_of_turn(tokenizer, template, stop_ids)
 
 
 def end_of_turn(tokenizer, template, stop_ids):
     """The ids the chat template writes after an assistant's reply, through its first stop token
     (SmolLM2's and Qwen's `<|im_end|>`); a plain prompt's: the EOS."""
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]  # (none: to the budget)
     if data.is_plain_prompt(tokenizer, template):
-        return [tokenizer.eos_token_id]
+        return eos
     hole = "\ue000reply\ue001"
     text = tokenizer.apply_chat_template([{"role": "user", "content": "q"},
                                           {"role": "assistant", "content": hole}], tokenize=False)
     tail = tokenizer(text.split(hole, 1)[1], add_special_tokens=False)["input_ids"]
     stops = [k for k, token in enumerate(tail) if token in stop_ids]
-    return tail[:stops[0] + 1] if stops else [tokenizer.eos_token_id]
+    return tail[:stops[0] + 1] if stops else eos
 
 
 # ---- the loss and the update ----------------------------------------------------------------------
