@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Beyond a sparse reward: DAPO alone against on-policy distillation from a teacher (alone, and
 # added to DAPO's advantage) and against a supervised warm start before DAPO, the same student.
-# The teacher is a default run's final/ (trained first if $TEACHER does not exist); the warm start
+# The teacher is a default run's final/ (trained first unless TEACHER=PATH names one); the warm start
 # a short SFT run on the task's "Answer: X" replies, whose final/ the sft+dapo arm starts from.
 #
 #   bash recipes/sft-opd.sh            # CPU: bundled SmolLM2-135M, synthetic sums, 3 seeds

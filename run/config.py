@@ -357,11 +357,14 @@ def parse_config(argv=None):
 
 # What only a step that samples and scores acts on: an SFT step reads neither (it learns given
 # completions), so any of these given with --algo sft is refused rather than ignored.
-RL_ONLY = ("samples", "temperature", "top_p", "kl", "kl_coef", "eps_low", "eps_high", "clip_c",
+# (--correct-reward is not among them: it is the held-out judge's threshold for a --reward's score.)
+RL_ONLY = ("samples", "temperature", "top_p", "kl", "kl_coef", "ref", "eps_low", "eps_high", "clip_c",
            "objective", "adv_estimator", "loss_agg", "dynamic_sampling", "max_refills", "keep_surplus",
-           "adversarial", "overlong_penalty", "overlong_filter", "overlong_cache", "ppl_penalty",
-           "tis_cap", "tis_reject", "high_entropy_fraction", "entropy_coef", "correct_reward",
-           "wrong_reward", "router_aux_coef", "routing_replay", "dpo_beta", "dpo_pairs")
+           "adversarial", "curriculum", "adaptive_budget", "overlong_penalty", "overlong_filter",
+           "overlong_cache", "ppl_penalty", "ppl_threshold", "ppl_window", "format_reward",
+           "format_weight", "efficiency_weight", "wrong_reward", "tis_cap", "tis_reject", "tis_level",
+           "tis_mode", "tis_floor", "tis_normalize", "high_entropy_fraction", "entropy_coef",
+           "router_aux_coef", "routing_replay", "dpo_beta", "dpo_pairs", "log_samples")
 
 
 def refuse_inert_flags(args, explicit, parser):

@@ -652,7 +652,8 @@ def log_step(run, progress, row, examples, bar, watch):
 
 def print_seconds(step, row):
     """train.py --bench: where a step's time went."""
-    peak = f", peak {row['peak_memory_mib'] / 1024:.2f} GiB" if "peak_memory_mib_rollout" not in row else \
+    peak = "" if "peak_memory_mib" not in row else \
+        f", peak {row['peak_memory_mib'] / 1024:.2f} GiB" if "peak_memory_mib_rollout" not in row else \
         f", peak {row['peak_memory_mib_rollout'] / 1024:.2f} GiB in the rollout, " \
         f"{row['peak_memory_mib'] / 1024:.2f} GiB in the step"
     parts = [f"{name} {row['seconds_' + key]:.{digits}f} s" for key, name, digits in PARTS

@@ -150,10 +150,12 @@ class Watch:
                     f"is not the model's chat format; the replies do not give {self.expects}; "
                     f"{cold}the task is too hard or too easy for the model")
         if name == "skipped":
+            rewards = "" if args.algo == "sft" else (  # (an SFT step has no rewards)
+                f"rewards too large to add up (see reward in metrics.jsonl; --correct-reward "
+                f"{args.correct_reward:g} and --wrong-reward {args.wrong_reward:g} set the rule "
+                f"reward's), or ")
             return (f"every update was skipped {steps} (a non-finite loss or gradient): the model "
-                    f"has not changed since. Likely causes: rewards too large to add up (see reward "
-                    f"in metrics.jsonl; --correct-reward {args.correct_reward:g} and --wrong-reward "
-                    f"{args.wrong_reward:g} set the rule reward's), or --lr {args.lr:g} too high")
+                    f"has not changed since. Likely causes: {rewards}--lr {args.lr:g} too high")
         one = next((line["completion"] for line in examples), None)
         return (f"no reply gave an answer the reward can read {steps}: it wants {self.expects}"
                 + (f"; one reply: {one[:200]!r}" if one is not None else ""))

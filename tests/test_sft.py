@@ -256,10 +256,13 @@ def test_sft_refuses_what_it_cannot_learn(capsys):
                        (["--preset", "sft", "--teacher", "x"], "--algo sft has none"),
                        (["--preset", "sft", "--kl", "k3"], "--kl acts in a step that samples"),
                        (["--preset", "sft", "--samples", "4"], "--samples acts in a step that samples"),
-                       (["--preset", "sft", "--router-aux-coef", "0.01"], "--router-aux-coef acts in")]:
+                       (["--preset", "sft", "--router-aux-coef", "0.01"], "--router-aux-coef acts in"),
+                       (["--preset", "sft", "--tis-mode", "mask"], "--tis-mode acts in a step that samples")]:
         with pytest.raises(SystemExit):
             config.parse_config(argv)
         assert says in capsys.readouterr().err
+    args, _ = config.parse_config(["--preset", "sft", "--correct-reward", "0.5"])  # a --reward's
+    assert args.correct_reward == 0.5  # held-out threshold: an SFT run's evaluation reads it
 
 
 def test_an_sft_run_is_plotted_tabled_and_benched(tmp_path, capsys):
@@ -275,5 +278,7 @@ def test_an_sft_run_is_plotted_tabled_and_benched(tmp_path, capsys):
     assert (tmp_path / "sft-s0" / "curve.png").exists()
     table = runs.summary_table([runs.load_run(str(tmp_path / n)) for n in ("sft-s0", "dapo-s0")])
     assert table.splitlines()[2].startswith("| sft | 1 | 70.0% | 70.0% |") and "| - | 90 |" in table
-    launch.print_seconds(3, {"seconds_update": 1.25, "peak_memory_mib": 2048})
-    assert capsys.readouterr().out.strip().endswith("step 3: update 1.2 s, peak 2.00 GiB")
+    row = json.loads((tmp_path / "sft-s0" / "metrics.jsonl").read_text().splitlines()[-1])
+    capsys.readouterr()  # (the plot's path)
+    launch.print_seconds(3, {**row, "seconds_update": 1.25})  # an SFT step's row, as logged
+    assert capsys.readouterr().out.strip() == "step 3: update 1.2 s"

@@ -1204,7 +1204,7 @@ def test_a_run_whose_every_update_is_skipped_is_warned():
 
     from run import metrics as step_metrics
     args = types.SimpleNamespace(reward="", max_new_tokens=64, template="none", temperature=1.0,
-                                 correct_reward=1e308, wrong_reward=-1.0, lr=1e-3)
+                                 correct_reward=1e308, wrong_reward=-1.0, lr=1e-3, algo="pg")
     quiet = {"truncated": 0.1, "groups_with_signal": 3, "reward_extracted": 0.9, "response_length_median": 9}
     rows = [{**quiet, "updates": 1, "skipped_updates": 1}, {**quiet, "updates": 2, "skipped_updates": 1}]
     rows += [{**quiet, "updates": 2, "skipped_updates": 2}] * 4  # none made

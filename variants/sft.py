@@ -16,7 +16,10 @@ and ranks give one batch's gradient, as in the RL update:
 The data's shapes (a row of a .jsonl/.json/.parquet file or a hub set): `prompt` + `completion`
 (text, or TRL's conversational lists of messages), `messages` ending in the assistant's reply,
 GSM8K's `question` + `answer` (its reasoning, then the answer in the template's format), MATH's
-`problem` + `solution`, and the synthetic tasks' problems (the reply "Answer: X").
+`problem` + `solution`, and the synthetic tasks' problems. The replies this file writes (GSM8K's,
+the synthetic tasks') are in the template's format: "Answer: X" (after a plain prompt's "Answer:",
+" X"), a \\boxed{} sentence, or the xml recipe's tags; a given completion or solution is taught as
+it is written.
 """
 
 import re
@@ -109,13 +112,13 @@ def load_examples(name, template, tokenizer, stop_ids, room):
 
 
 def example_ids(example, tokenizer, template, stop_ids):
-    """(prompt ids, completion ids) of an example (or a synthetic task's record, whose reply is
-    "Answer: X"): the prompt as RL formats it; the completion as the model would write it, the
-    chat template's end of turn included (so the model learns to stop)."""
+    """(prompt ids, completion ids) of an example (or a synthetic task's record, whose reply
+    written_reply gives): the prompt as RL formats it; the completion as the model would write it,
+    the chat template's end of turn included (so the model learns to stop)."""
     completion = example.get("completion") or written_reply("", example["answer"], template)
     prompt = data.format_prompt(example, tokenizer, template)
     if data.is_plain_prompt(tokenizer, template):  # the prompt ends "Answer:": the reply goes on
-        completion = " " + completion.removeprefix("Answer:").lstrip()
+        completion = " " + completion.lstrip().removeprefix("Answer:").lstrip()
     reply = tokenizer(completion, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     return prompt, list(reply) + end_of_turn(tokenizer, template, stop_ids)
 
