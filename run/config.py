@@ -515,6 +515,19 @@ def refuse_combinations(args, parser):
         parser.error(f"--adv-estimator reinforce_pp gives each token its own advantage; "
                      f"{'--algo dpo' if args.algo == 'dpo' else '--objective ' + args.objective} "
                      "takes one per sequence")
+    refuse_sft_and_teacher_combinations(args, parser)
+    if args.ref == "lora-off" and args.lora_rank == 0 and needs_reference(args):
+        parser.error("--ref lora-off needs --lora-rank > 0")
+    if args.quantize != "none" and args.lora_rank == 0:
+        parser.error(f"--quantize {args.quantize} freezes the base in 4 bits: it needs "
+                     "--lora-rank > 0 (the adapters are what trains)")
+    if args.quantize != "none" and args.fsdp:
+        parser.error(f"--quantize {args.quantize} with --fsdp: FSDP shards parameters and a "
+                     "quantised base is buffers; use one or the other")
+
+
+def refuse_sft_and_teacher_combinations(args, parser):
+    """What an SFT step cannot learn from, and what a --teacher cannot score for."""
     if args.algo == "sft" and str(args.data).startswith(("memory", "countdown")):
         parser.error(f"--algo sft learns given completions; {args.data}'s answer is not a reply to "
                      "learn (episodes in turns, an expression to find): use a file of completions")
@@ -527,14 +540,6 @@ def refuse_combinations(args, parser):
     if args.teacher and args.algo != "pg":
         parser.error(f"--teacher scores the policy's own samples for a policy-gradient update; "
                      f"--algo {args.algo} has none: use --algo pg (the opd preset, or any pg preset)")
-    if args.ref == "lora-off" and args.lora_rank == 0 and needs_reference(args):
-        parser.error("--ref lora-off needs --lora-rank > 0")
-    if args.quantize != "none" and args.lora_rank == 0:
-        parser.error(f"--quantize {args.quantize} freezes the base in 4 bits: it needs "
-                     "--lora-rank > 0 (the adapters are what trains)")
-    if args.quantize != "none" and args.fsdp:
-        parser.error(f"--quantize {args.quantize} with --fsdp: FSDP shards parameters and a "
-                     "quantised base is buffers; use one or the other")
 
 
 def needs_reference(args):

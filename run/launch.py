@@ -153,6 +153,22 @@ def check_before_loading(args, writes, world):
     return run_lock
 
 
+def load_configs(args):
+    """--model's config.json and tokenizer, and --teacher's checked against them: the data and the
+    memory plan are read before any weight, and a mismatch is refused before one loads.
+    -> (model config, tokenizer, teacher config or None)"""
+    try:
+        model_config, tokenizer = checkpoints.load_config(args.model), checkpoints.load_tokenizer(args.model)
+    except (OSError, ValueError) as e:
+        sys.exit(f"train.py: --model: {e}")
+    refuse_mismatches(args, model_config)
+    try:
+        teacher_config = distill.check_teacher(args.teacher, args.model, tokenizer) if args.teacher else None
+    except (OSError, ValueError) as e:
+        sys.exit(f"train.py: --teacher: {runs.first_line(e)}")
+    return model_config, tokenizer, teacher_config
+
+
 def setup(args):
     """The model, its copies, the optimizer and the data of a run -> Run."""
     keep_freed_memory()
@@ -164,15 +180,7 @@ def setup(args):
     run_lock = check_before_loading(args, writes, world)
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
-    try:  # config.json and the tokenizer first: the data and the memory plan before any weight
-        model_config, tokenizer = checkpoints.load_config(args.model), checkpoints.load_tokenizer(args.model)
-    except (OSError, ValueError) as e:
-        sys.exit(f"train.py: --model: {e}")
-    refuse_mismatches(args, model_config)
-    try:  # the teacher's tokenizer and config.json: a mismatch is refused before any weight loads
-        teacher_config = distill.check_teacher(args.teacher, args.model, tokenizer) if args.teacher else None
-    except (OSError, ValueError) as e:
-        sys.exit(f"train.py: --teacher: {runs.first_line(e)}")
+    model_config, tokenizer, teacher_config = load_configs(args)
     if getattr(args, "cuda_graphs", False) and model_config.num_experts:
         sys.exit("train.py: --cuda-graphs: an MoE's decode step groups tokens by expert on the "
                  "host, which a CUDA graph cannot replay")
@@ -652,10 +660,12 @@ def log_step(run, progress, row, examples, bar, watch):
 
 def print_seconds(step, row):
     """train.py --bench: where a step's time went."""
-    peak = "" if "peak_memory_mib" not in row else \
-        f", peak {row['peak_memory_mib'] / 1024:.2f} GiB" if "peak_memory_mib_rollout" not in row else \
-        f", peak {row['peak_memory_mib_rollout'] / 1024:.2f} GiB in the rollout, " \
-        f"{row['peak_memory_mib'] / 1024:.2f} GiB in the step"
+    peak = ""  # (an SFT step logs none)
+    if "peak_memory_mib_rollout" in row:
+        peak = (f", peak {row['peak_memory_mib_rollout'] / 1024:.2f} GiB in the rollout, "
+                f"{row['peak_memory_mib'] / 1024:.2f} GiB in the step")
+    elif "peak_memory_mib" in row:
+        peak = f", peak {row['peak_memory_mib'] / 1024:.2f} GiB"
     parts = [f"{name} {row['seconds_' + key]:.{digits}f} s" for key, name, digits in PARTS
              if "seconds_" + key in row]  # (an SFT step has its update alone)
     print(f"step {step}: {', '.join(parts)}" + peak, flush=True)
