@@ -174,7 +174,7 @@ def test_cuda_graphs_add_their_pool_to_the_rollout():
     assert bound[0]["KV cache"] - bound[1]["KV cache"] == pytest.approx(0.9 * extra.bytes)
 
 
-def test_the_plan_decodes_as_the_flags_do(tmp_path):
+def test_the_plan_decodes_as_the_flags_do(tmp_path, monkeypatch):
     """for_run's decode step as train.py's flags run it: --max-rows rows at once, the draw of
     --temperature and --top-p (paged.draw_bytes), a CPU's eager steps on kept rows (not within a
     --kv-budget, nor compiled), a GPU's steps padded to CUDA graphs' buckets."""
@@ -195,7 +195,8 @@ def test_the_plan_decodes_as_the_flags_do(tmp_path):
     assert sum(t.bytes for t in capped) == paged.decode_working_bytes(
         cfg, 40, True, draw=paged.draw_bytes(0.7, 0.9), **common) and "64 rows (a bucket)" in \
         capped[0].arithmetic and "V x 37 B" in capped[0].arithmetic
-    kept = decode([], False)  # float32 on a CPU, without --bf16
+    monkeypatch.setenv("DAPO_CPU_BF16", "0")  # the CPU's fp32 path, whatever this CPU's own
+    kept = decode([], False)
     assert [t.bytes for t in kept] == [paged.decode_working_bytes(
         cfg, 128, kept_rows=True, positions=512, width=4)] and "kept gathered" in kept[0].arithmetic
     for flags in (["--kv-budget", "1"], ["--compile", "on"]):
