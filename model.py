@@ -164,12 +164,9 @@ class Attention(nn.Module):
 def attend(q, k, v, mask, expand_kv=False, scale=None):
     """softmax(q k^T * scale + mask) v with grouped-query heads: q (B, Hq, T, D), k and v
     (B, Hkv, S, D), query head h reading key/value head h // (Hq / Hkv); mask (B, 1, T, S) bool,
-    or None for plain causal attention; scale None: 1 / sqrt(D). `enable_gqa` reads the shared
-    heads in place (on the CPU copying them costs more than the attention), but CUDA's fused
-    kernels take grouped heads (flash: no mask) or a mask (memory-efficient), not both, and the
-    fallback makes (B, Hq, T, S) scores per layer: with a mask over many tokens, `expand_kv`
-    copies the heads out for the memory-efficient kernel.
-    """
+    or None (plain causal); scale None: 1 / sqrt(D). `enable_gqa` reads shared heads in place, but
+    CUDA's fused kernels take grouped heads or a mask, not both: `expand_kv` copies the heads out
+    for the memory-efficient kernel (the fallback makes (B, Hq, T, S) scores a layer)."""
     groups = q.shape[1] // k.shape[1]
     if expand_kv and groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, Hq, S, D)
@@ -284,9 +281,8 @@ class PagedKVCache:
         self.slots = None  # (b*T,) the flat slot each new token's k, v go to
         self.tables = None  # (b, nb) each row's blocks, padded with block 0
         self.positions = None  # (b, T) each new token's position in its row
-        # A decode step's rows in groups of like width, widest first: [(first row, end, blocks
-        # read)] (engine/paged.py's read_groups), each group reading its own widest row's blocks
-        # and not the batch's; None: every row reads as many blocks as the widest.
+        # A decode step's rows in groups of like width, [(first row, end, blocks read)] (paged.py's
+        # read_groups): a group reads its own widest row's blocks; None: all read the widest's.
         self.row_groups = None
 
     @staticmethod
@@ -316,9 +312,8 @@ class PagedKVCache:
         """Stores k, v (b, Hkv, T, D); q (b, Hq, T, D) attends to its row's, mask (b, 1, T, S)."""
         if self.row_groups and q.shape[2] == 1:  # a decode step, each group of rows at its own width
             self.store(layer, k, v)
-            bs = self.block_size
             return torch.cat([attend_paged(q[a:e], *self.gather(layer, self.tables[a:e, :width]),
-                                           mask[a:e, ..., :width * bs], scale, softcap)
+                                           mask[a:e, ..., :width * self.block_size], scale, softcap)
                               for a, e, width in self.row_groups])  # (b, Hq, 1, D)
         k, v = self.write(layer, k, v)  # (Hkv, b, S, D), heads first: position s at index s
         if softcap or q.shape[2] == 1:  # a decode step (or Gemma 2's cap)
@@ -389,16 +384,14 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, last_only=False, return_hidden=False,
                 routing: Routing | None = None):
-        """input_ids (B, T) -> logits (B, T, V) (or (B, 1, V) with last_only).
-
-        attention_mask (B, T): 1 real token, 0 padding (anywhere: prompts left-padded, replies
-        right-padded). Such a batch runs packed to the left: each row's real tokens gathered, in
-        order, to its first columns and its padding after them, so that plain causal attention is
-        each row's own (no (B, 1, T, T) mask is made or kept for backward; flash attention on
-        CUDA), then the hidden states gathered back into place. return_hidden gives the final
-        normed hidden states (B, T, C) instead of logits (token_logprobs applies the head in
-        chunks). routing: records (or replays) the experts of MoE layers, see Routing.
-        """
+        """input_ids (B, T) -> logits (B, T, V) (or (B, 1, V) with last_only). attention_mask
+        (B, T): 1 real token, 0 padding (anywhere: prompts left-padded, replies right-padded). Such
+        a batch runs packed to the left: each row's real tokens gathered, in order, to its first
+        columns and its padding after them, so that plain causal attention is each row's own (no
+        (B, 1, T, T) mask is made or kept for backward; flash attention on CUDA), then the hidden
+        states gathered back into place. return_hidden: the final normed hidden states (B, T, C)
+        instead of logits (token_logprobs applies the head in chunks). routing: an MoE's experts
+        recorded (or replayed), see Routing."""
         order = None
         if attention_mask is not None:  # (B, T): real tokens first, in order (a stable sort)
             order = torch.argsort(~attention_mask.bool(), dim=1, stable=True)
@@ -479,15 +472,12 @@ class Transformer(nn.Module):
 def token_logprobs(model: Transformer, input_ids, attention_mask=None, *, start=1,
                    temperature=1.0, chunk_size=64, with_entropy=False, entropy_grad=False,
                    hidden=None):
-    """Log-prob of each token from `start` on: logp[:, j] = log p(ids[:, start+j] | ids[:, :start+j]).
-
-    input_ids (B, T) -> logp (B, T-start) float32, and with with_entropy the entropy of each of
-    those distributions (with a gradient only with entropy_grad: an entropy bonus). A trainer
-    passes start = the prompt length: the vocabulary projection runs on completion positions only,
-    B * chunk_size rows at a time (chunked_logprobs.py: peak ~B * chunk_size * V floats).
-    `temperature` divides the logits, as the sampler's did. `hidden`: the body's output (B, T, C)
-    for these ids when the caller already ran it (GKL needs it too: the body runs once).
-    """
+    """logp[:, j] = log p(ids[:, start+j] | ids[:, :start+j]): input_ids (B, T) -> logp (B, T-start)
+    float32, and with with_entropy each distribution's entropy (a gradient only with entropy_grad).
+    A trainer passes start = the prompt length: the head runs on completion positions only, B *
+    chunk_size rows at a time (chunked_logprobs.py: peak ~B * chunk_size * V floats). `temperature`
+    divides the logits, as the sampler's did. `hidden`: the body's output (B, T, C) for these ids,
+    when the caller already ran it (GKL needs it too: the body runs once)."""
     if not 1 <= start < input_ids.shape[1]:
         raise ValueError(f"token_logprobs: start={start} outside [1, {input_ids.shape[1]})")
     if hidden is None:

@@ -229,17 +229,13 @@ def math_reward(response: str, truth, *, correct: float = 1.0, wrong: float = -1
                 ppl_window: float | None = None, score: tuple[float, bool] | None = None,
                 ) -> tuple[float, dict[str, float]]:
     """Reward of one completion and its components, (correct + format + integer + xml_count +
-    overlong + ppl, {component: value}); a term that is off is 0.0.
-
-    "correct": `correct` or `wrong` (DAPO eq. 7), "accuracy" 1.0 / 0.0, "extracted" 1.0 if
-    verify.extract_answer read an answer, "format" (format_weight * "format_ok"), with
-    format_style "xml" also "integer" (format_weight * an integer answer) and "xml_count"
-    (`xml_terms`; GSM8K's XML recipe: "xml", format_weight 0.5, correct 2.0, wrong 0.0),
-    "overlong" (eq. 13; on when max_len or cache_len is given, then with length, max_len and
-    cache_len all needed) and "ppl" (on when ppl_threshold or ppl_window is given, then with
-    mean_nll too). `score`: (value, right) from a reward function (`task_reward`) in eq. 7's
-    place; `truth` is then not read. Bad arguments raise ValueError; the text never does.
-    """
+    overlong + ppl, {component: value}); a term that is off is 0.0. "correct": `correct` or
+    `wrong` (DAPO eq. 7), "accuracy" 1.0 / 0.0, "extracted" 1.0 if verify.extract_answer read an
+    answer, "format" (format_weight * "format_ok"), with format_style "xml" also "integer"
+    (format_weight * an integer answer) and "xml_count" (`xml_terms`; GSM8K's XML recipe: "xml",
+    format_weight 0.5, correct 2.0, wrong 0.0), "overlong" and "ppl" (`shaping`: eq. 13 and the
+    perplexity term). `score`: (value, right) from a reward function (`task_reward`) in eq. 7's
+    place; `truth` is then not read. Bad arguments raise ValueError; the text never does."""
     style = _format_style(format_style) if format_style is not None else None
     r_correct, r_wrong = _finite("correct", correct), _finite("wrong", wrong)
     w_format = _finite("format_weight", format_weight)
@@ -329,12 +325,11 @@ def user_score(function, response: str, row: dict, correct: float = 1.0, wrong: 
 
 
 def task_reward(response: str, record: dict, *, function=None, **options):
-    """A reply's reward and its parts: the rule reward on record["answer"] (`math_reward`), or,
-    with a reward function (--reward, or a task's own), its score in eq. 7's place, the format
-    and shaping terms still on top; the function reads the data row with all its fields. A
-    function that raises (RewardInterrupt included), or returns a value out of bounds, scores the
-    reply as wrong (`wrong`) with parts["error"] = 1: counted in the log, never a crash.
-    -> (reward, parts)"""
+    """-> (reward, parts) of a reply: the rule reward on record["answer"] (`math_reward`), or, with
+    a reward function (--reward, or a task's own), its score in eq. 7's place, the format and
+    shaping terms on top; the function reads the data row with all its fields. One that raises
+    (RewardInterrupt included) or returns a value out of bounds scores the reply as wrong
+    (`wrong`) with parts["error"] = 1: counted in the log, never a crash."""
     if function is None:
         return math_reward(response, record["answer"], **options)
     try:

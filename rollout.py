@@ -97,10 +97,8 @@ def line_break_ids(tokenizer):
 
 
 def sample_tokens(logits, uniforms, temperature=1.0, top_p=1.0, top_k=0):
-    """logits (B, V) float32, uniforms (B,) in [0, 1) -> tokens (B,), logprobs (B,).
-
-    The log-prob is under softmax(logits / temperature) before any truncation.
-    """
+    """logits (B, V) float32, uniforms (B,) in [0, 1) -> tokens (B,), logprobs (B,), the log-prob
+    under softmax(logits / temperature) before any truncation."""
     if temperature == 0:
         tokens = logits.argmax(-1)  # (B,)
         logp = logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
@@ -130,11 +128,9 @@ def sample_tokens(logits, uniforms, temperature=1.0, top_p=1.0, top_k=0):
 
 def inverse_cdf(weights, uniforms, chunk=256):
     """weights (B, V) >= 0, unnormalised; uniforms (B,) in [0, 1) -> (B,) the first index whose
-    cumulative weight exceeds u * total: a draw from weights / total.
-
-    In two levels, as one cumulative sum over the whole vocabulary costs 10x more than a sum:
-    the chunk whose cumulative mass passes the target, then the index inside that chunk.
-    """
+    cumulative weight exceeds u * total: a draw from weights / total. In two levels, as one
+    cumulative sum over the whole vocabulary costs 10x more than a sum: the chunk whose
+    cumulative mass passes the target, then the index inside that chunk."""
     B, V = weights.shape
     chunks = F.pad(weights, (0, -V % chunk)).view(B, -1, chunk)  # (B, K, C), zero weights added
     chunk_cdf = chunks.sum(-1).cumsum(-1)  # (B, K)
