@@ -674,6 +674,28 @@ def test_the_host_memory_free_is_read_within_the_address_space_limit():
     assert 2.9 * GIB < int(out) <= 3 * GIB
 
 
+@pytest.mark.slow
+def test_kv_default_recipe_fits_a_call_whose_rows_at_their_longest_do_not():
+    """recipes/kv-default.py under a 3 GiB address-space limit: 512 rows x 8,000 new tokens need
+    2 GiB at their longest, more than the limit leaves beside torch; with no budget the call runs
+    inside it, drawing the tokens of a roomy budget and of one that forces waits and preemptions,
+    where the pool of every row at its longest (the CPU's pool before the default) fails."""
+    import subprocess
+    import sys
+    root = __import__("pathlib").Path(__file__).parents[1]
+    out = subprocess.run([sys.executable, "recipes/kv-default.py", "--rows", "512",
+                          "--new-tokens", "8000", "--limit-gib", "3", "--budget-gib", "1", "0.005"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = [line.strip() for line in out.stdout.splitlines()]
+    assert "kv_budget=None:" in lines[1] and "kv_budget=1.0: the same tokens" in lines
+    assert "kv_budget=0.005: the same tokens" in lines
+    waits, preemptions = (int(lines[4].split(f"{word} ")[1].split(",")[0])
+                          for word in ("waits", "preemptions"))
+    assert lines[4].startswith("kv_budget=0.005:") and waits > 0 and preemptions > 0
+    assert "every row at its longest (2.0 GiB): fails" in lines[-1]
+
+
 def test_train_refuses_a_kv_budget_under_one_row_before_any_weight_loads(tmp_path, monkeypatch):
     """--kv-budget smaller than one row at its longest (the data's longest prompt and
     --max-new-tokens): train.py's setup stops naming the flag and the arithmetic, no weight read."""
